@@ -1,0 +1,30 @@
+"""The host backend's kernels: the numpy reference applied in place to host tensors (eager)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .tensor import Tensor
+
+
+class HostKernels:
+    """Arguments arrive checked by :mod:`lowgrad.ops`; each call completes before returning."""
+
+    def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
+               stream: int) -> None:
+        out = reference.add_sr(a.numpy().reshape(-1), b.numpy().reshape(-1), scale, seed, index_offset, dst.dtype)
+        dst.numpy().reshape(-1)[:] = out
+
+    def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                  seed: int, index_offset: int, stream: int) -> None:
+        d = dst.numpy().reshape(-1)
+        d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, seed, index_offset)
+
+    def fill_zero(self, dst: Tensor, stream: int) -> None:
+        dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0
+
+    def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
+        o = out.numpy().reshape(-1)
+        acc = "float64" if o.dtype == np.float64 else "float32"
+        total = reference.norm_squared(x.numpy().reshape(-1), accum=acc)
+        o[0] = (o[0] if accumulate else 0) + total

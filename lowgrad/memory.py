@@ -1,0 +1,208 @@
+"""Named allocations, the per-device memory report, and the lazy allocator.
+
+An :class:`Allocation` is one raw block (device, pinned, write-combined or plain host memory)
+owned by a backend. It is freed deterministically by :meth:`Allocation.close` or at garbage
+collection, whichever comes first; afterwards every tensor viewing it raises on use.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import ClosedError
+
+if TYPE_CHECKING:
+    from .dtypes import DType
+    from .tensor import Tensor
+
+KINDS = ("device", "pinned", "write_combined", "host")
+HOST_VISIBLE = frozenset(("pinned", "write_combined", "host"))
+ALIGN = 256  # bytes; every tensor of a lazy commit starts on this boundary
+MAX_BYTES = 1 << 48  # anything above is a mistake, not a request
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown memory kind {kind!r}; expected one of {KINDS}")
+    return kind
+
+
+def check_nbytes(nbytes: int, limit: int, what: str) -> int:
+    """Reject negative, non-integer or absurd sizes (``limit``: what the memory kind can hold)."""
+    if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
+        raise TypeError(f"{what}: size must be an int, got {type(nbytes).__name__}")
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"{what}: negative size {nbytes}")
+    if nbytes > min(limit, MAX_BYTES):
+        raise ValueError(f"{what}: {nbytes} bytes is more than this memory kind can hold ({limit} bytes)")
+    return nbytes
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Registry:
+    """Live bytes per (name, kind) of one device; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = {}
+
+    def add(self, parts: dict[str, int], kind: str, sign: int) -> None:
+        with self._lock:
+            for name, n in parts.items():
+                key = (name, kind)
+                v = self._bytes.get(key, 0) + sign * n
+                if v:
+                    self._bytes[key] = v
+                else:
+                    self._bytes.pop(key, None)
+
+    def report(self) -> MemoryReport:
+        with self._lock:
+            return MemoryReport(dict(self._bytes))
+
+
+class MemoryReport:
+    """Bytes by allocation name and kind. ``as_dict()`` for programs, ``str()`` for people."""
+
+    def __init__(self, by_name_kind: dict[tuple[str, str], int]) -> None:
+        self.by_name_kind = by_name_kind
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{kind: {name: bytes}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for (name, kind), n in sorted(self.by_name_kind.items()):
+            out.setdefault(kind, {})[name] = n
+        return out
+
+    def total(self, kind: str | None = None) -> int:
+        """Total bytes, of one kind or of all kinds."""
+        return sum(n for (_, k), n in self.by_name_kind.items() if kind is None or k == kind)
+
+    def bytes(self, name: str, kind: str | None = None) -> int:
+        """Bytes under ``name`` (of one kind, or summed over kinds)."""
+        return sum(n for (nm, k), n in self.by_name_kind.items() if nm == name and (kind is None or k == kind))
+
+    def __str__(self) -> str:
+        rows = [f"{'name':<28} {'kind':<15} {'MiB':>12}"]
+        for (name, kind), n in sorted(self.by_name_kind.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            rows.append(f"{name:<28} {kind:<15} {n / 2**20:>12.3f}")
+        for kind in KINDS:
+            t = self.total(kind)
+            if t:
+                rows.append(f"{'total':<28} {kind:<15} {t / 2**20:>12.3f}")
+        return "\n".join(rows)
+
+
+class Allocation:
+    """One raw block of memory. ``ptr`` is the device-visible address (for pinned memory the
+    mapped device pointer, equal to the host address under unified addressing).
+
+    ``parts`` maps tensor names to the bytes they occupy, for the report. A lazy allocation has
+    ``ptr is None`` until :meth:`LazyAllocator.commit`.
+    """
+
+    __slots__ = ("device", "kind", "nbytes", "parts", "_ptr", "_host", "_finalizer", "__weakref__")
+
+    def __init__(self, device: Any, kind: str, nbytes: int, parts: dict[str, int]) -> None:
+        self.device, self.kind, self.nbytes, self.parts = device, kind, nbytes, parts
+        self._ptr: int | None = None
+        self._host: np.ndarray | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def bind(self, ptr: int, free: Callable[[], None], host: np.ndarray | None) -> None:
+        """Attach the raw block; ``free`` releases it exactly once (close or GC)."""
+        self._ptr, self._host = ptr, host
+        self._finalizer = weakref.finalize(self, _release, free, self.device.registry, self.parts, self.kind)
+        self.device.registry.add(self.parts, self.kind, +1)
+
+    @property
+    def ptr(self) -> int:
+        p = self._ptr
+        if p is None or not self._finalizer.alive:  # type: ignore[union-attr]
+            raise ClosedError(self._state_message())
+        return p
+
+    @property
+    def closed(self) -> bool:
+        return self._finalizer is not None and not self._finalizer.alive
+
+    def host_bytes(self) -> np.ndarray:
+        """A writable uint8 numpy view of the whole block (host-visible kinds only)."""
+        self.ptr  # raises when closed or not committed
+        if self._host is None:
+            raise ValueError(f"{self.kind} memory is not host-visible")
+        return self._host
+
+    def close(self) -> None:
+        """Free the block now; idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._host = None
+
+    def _state_message(self) -> str:
+        names = ", ".join(self.parts) or "?"
+        if self._ptr is None:
+            return f"tensor {names!r} used before its lazy allocator was committed"
+        return f"tensor {names!r} used after its memory was freed (close())"
+
+
+def _release(free: Callable[[], None], registry: Registry, parts: dict[str, int], kind: str) -> None:
+    registry.add(parts, kind, -1)
+    free()
+
+
+def host_array(ptr: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 numpy array over raw host memory at ``ptr`` (no copy, no ownership)."""
+    if nbytes == 0:
+        return np.zeros(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class LazyAllocator:
+    """Collects many tensors and commits them as one allocation (each aligned to 256 bytes).
+
+    ``alloc`` returns tensors at once; they raise on use until :meth:`commit`. The report lists
+    every tensor under its own name.
+    """
+
+    def __init__(self, device: Any, kind: str = "device") -> None:
+        self.device, self.kind = device, check_kind(kind)
+        self._parts: dict[str, int] = {}
+        self._allocation = Allocation(device, kind, 0, self._parts)
+        self._offset = 0
+        self._committed = False
+
+    def alloc(self, shape: Any, dtype: DType | str, name: str) -> Tensor:
+        """Reserve a tensor of ``shape``/``dtype`` named ``name`` in the pending block."""
+        from .tensor import Tensor, check_shape
+        from .dtypes import as_dtype
+
+        if self._committed:
+            raise ValueError("LazyAllocator already committed; create a new one")
+        dt, shp = as_dtype(dtype), check_shape(shape)
+        t = Tensor(self._allocation, self._offset, dt, shp, name)
+        self._parts[name] = self._parts.get(name, 0) + t.nbytes
+        self._offset = align_up(self._offset + t.nbytes)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset
+
+    def commit(self) -> Allocation:
+        """Allocate the block for every reserved tensor; returns the allocation."""
+        if self._committed:
+            raise ValueError("LazyAllocator already committed")
+        self._committed = True
+        self._allocation.nbytes = self._offset
+        self.device._bind(self._allocation, self._offset)
+        return self._allocation

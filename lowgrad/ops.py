@@ -1,0 +1,148 @@
+"""The kernels of DESIGN.md on lowgrad tensors of either backend, all asynchronous on
+``stream`` (None: the device's default stream).
+
+Every argument is checked here, once for both backends, before anything is queued; the backend
+(``tensor.device.kernels``) then does the work: NVRTC-compiled kernels on a CUDA device, the numpy
+reference on the host backend, bit for bit the same results.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .dtypes import DType, bf16, fp32, fp64
+from .stream import StreamLike, stream_handle
+from .tensor import Tensor
+
+SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
+NORM_OUT_DTYPES = (fp32, fp64)
+_U64 = 1 << 64
+
+
+def _tensor(t: Any, what: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what} must be a lowgrad Tensor, got {type(t).__name__}")
+    return t
+
+
+def _dtype_in(t: Tensor, what: str, allowed: tuple[DType, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(d.name for d in allowed)
+        raise TypeError(f"{what} {t.name!r} has dtype {t.dtype.name}; expected one of {names}")
+
+
+def _same_device(ref: Tensor, *others: tuple[Tensor, str]) -> Any:
+    dev = ref.device
+    for t, what in others:
+        if t.device is not dev:
+            raise ValueError(f"{what} {t.name!r} lives on {t.device!r}, but dst {ref.name!r} on {dev!r}")
+    return dev
+
+
+def _kernel_memory(dev: Any, *ts: tuple[Tensor, str]) -> None:
+    for t, what in ts:
+        if not dev.kernel_accessible(t.kind):
+            raise ValueError(f"{what} {t.name!r} is in {t.kind} memory, which kernels on {dev!r} cannot access "
+                             "(use device or pinned memory)")
+
+
+def _overlap(x: Tensor, y: Tensor) -> bool:
+    if x.allocation is not y.allocation or not x.nbytes or not y.nbytes:
+        return False
+    return x._offset < y._offset + y.nbytes and y._offset < x._offset + x.nbytes
+
+
+def check_seed(seed: Any, index_offset: Any) -> tuple[int, int]:
+    """Validate a 64-bit seed and a non-negative element index offset."""
+    for v, what in ((seed, "seed"), (index_offset, "index_offset")):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{what} must be an int, got {type(v).__name__}")
+    if not 0 <= seed < _U64:
+        raise ValueError(f"seed {seed} outside [0, 2**64)")
+    if not 0 <= index_offset < _U64:
+        raise ValueError(f"index_offset {index_offset} outside [0, 2**64)")
+    return seed, index_offset
+
+
+def check_scale(scale: Any) -> float:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0, index_offset: int = 0,
+           stream: StreamLike = None) -> None:
+    """``dst = SR(scale * (a + b))`` elementwise in float32, on ``stream``.
+
+    fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not overlap
+    ``b`` or partially overlap ``a``. The noise of element ``i`` uses index ``index_offset + i``.
+    """
+    _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
+    for t, what in ((dst, "dst"), (a, "a"), (b, "b")):
+        _dtype_in(t, what, SR_DTYPES)
+    dev = _same_device(dst, (a, "a"), (b, "b"))
+    if not (dst.numel == a.numel == b.numel):
+        raise ValueError(f"add_sr size mismatch: dst {dst.shape}, a {a.shape}, b {b.shape}")
+    if _overlap(dst, b):
+        raise ValueError(f"add_sr: dst {dst.name!r} may not overlap b {b.name!r}")
+    if _overlap(dst, a) and (dst.ptr != a.ptr or dst.dtype is not a.dtype):
+        raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
+    _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
+    seed, index_offset = check_seed(seed, index_offset)
+    dev.kernels.add_sr(dst, a, b, check_scale(scale), seed, index_offset, stream_handle(stream))
+
+
+def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
+              accumulate: bool = False, seed: int = 0, index_offset: int = 0, stream: StreamLike = None) -> None:
+    """``dst = SR(scale * ((dst if accumulate else 0) + sum_{k != skip} src[k]))`` on ``stream``.
+
+    ``src`` holds ``n_shards`` consecutive blocks, each of ``dst.numel`` elements; ``skip`` is a
+    block index or -1. Sums run in float32 in block order starting from +0.0.
+    """
+    _tensor(dst, "dst"), _tensor(src, "src")
+    _dtype_in(dst, "dst", SR_DTYPES), _dtype_in(src, "src", SR_DTYPES)
+    dev = _same_device(dst, (src, "src"))
+    if not isinstance(n_shards, int) or isinstance(n_shards, bool) or n_shards < 1:
+        raise ValueError(f"n_shards must be a positive int, got {n_shards!r}")
+    if not isinstance(skip, int) or isinstance(skip, bool) or not -1 <= skip < n_shards:
+        raise ValueError(f"skip {skip!r} outside [-1, {n_shards})")
+    if src.numel != n_shards * dst.numel:
+        raise ValueError(f"reduce_sr: src {src.name!r} has {src.numel} elements, not n_shards ({n_shards}) "
+                         f"x dst ({dst.numel})")
+    if _overlap(dst, src):
+        raise ValueError(f"reduce_sr: dst {dst.name!r} may not overlap src {src.name!r}")
+    _kernel_memory(dev, (dst, "dst"), (src, "src"))
+    seed, index_offset = check_seed(seed, index_offset)
+    dev.kernels.reduce_sr(dst, src, n_shards, skip, check_scale(scale), bool(accumulate), seed, index_offset,
+                          stream_handle(stream))
+
+
+def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
+    """Set every byte of ``dst`` to zero on ``stream``."""
+    _tensor(dst, "dst")
+    _kernel_memory(dst.device, (dst, "dst"))
+    dst.device.kernels.fill_zero(dst, stream_handle(stream))
+
+
+def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
+    """Copy ``src`` into ``dst`` (same dtype and element count; device, pinned or host memory in
+    any direction) on ``stream``."""
+    _tensor(dst, "dst"), _tensor(src, "src")
+    dst.device.copy(dst, src, stream)
+
+
+def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: StreamLike = None) -> None:
+    """``out[0] = (out[0] if accumulate else 0) + sum(x**2)`` on ``stream``.
+
+    ``x`` is fp32 or bf16; ``out`` a one-element fp32 or fp64 tensor whose dtype is the
+    accumulation type. Deterministic for a given device and size.
+    """
+    _tensor(x, "x"), _tensor(out, "out")
+    _dtype_in(x, "x", SR_DTYPES), _dtype_in(out, "out", NORM_OUT_DTYPES)
+    dev = _same_device(out, (x, "x"))
+    if out.numel != 1:
+        raise ValueError(f"norm_squared: out {out.name!r} must hold one element, has shape {out.shape}")
+    if _overlap(x, out):
+        raise ValueError("norm_squared: out may not overlap x")
+    _kernel_memory(dev, (x, "x"), (out, "out"))
+    dev.kernels.norm_squared(x, out, bool(accumulate), stream_handle(stream))

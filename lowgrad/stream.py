@@ -1,0 +1,173 @@
+"""Streams and events of the CUDA backend, and the one rule for turning a stream argument into
+a raw handle (shared with the host backend).
+
+Every ``stream=`` argument in lowgrad accepts: ``None`` (the device's default stream, the CUDA
+legacy default stream, handle 0), a lowgrad :class:`Stream`, a raw handle ``int`` (e.g.
+``torch.cuda.current_stream().cuda_stream``), or an object with ``__cuda_stream__()`` (CuPy,
+cuda.core) or a ``cuda_stream`` attribute (PyTorch).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from . import _cuda
+from .errors import ClosedError
+
+if TYPE_CHECKING:
+    from .device import Device
+
+StreamLike = Any  # None | Stream | int | object with __cuda_stream__ / cuda_stream
+
+_CU_STREAM_NON_BLOCKING = 1
+_CU_EVENT_DISABLE_TIMING = 2
+_CUDA_ERROR_NOT_READY = 600
+
+
+def stream_handle(s: StreamLike) -> int:
+    """The raw stream handle (int) for any accepted stream argument; TypeError otherwise."""
+    if s is None:
+        return 0
+    if type(s) is int:
+        if s < 0:
+            raise ValueError(f"stream handle must be a non-negative int, got {s}")
+        return s
+    h = getattr(s, "handle", None)
+    if type(h) is int:  # lowgrad Stream / HostStream
+        return h
+    proto = getattr(s, "__cuda_stream__", None)
+    if proto is not None:
+        val = proto()
+        return int(val[1]) if isinstance(val, tuple) else int(val)
+    raw = getattr(s, "cuda_stream", None)
+    if type(raw) is int:
+        return raw
+    raise TypeError(
+        f"expected a stream (None, lowgrad.Stream, int handle, or an object with __cuda_stream__/"
+        f"cuda_stream), got {type(s).__name__}"
+    )
+
+
+class Stream:
+    """A CUDA stream on one device. ``handle`` is the raw ``CUstream`` value as an int.
+
+    Created streams are non-blocking with respect to the legacy default stream; a wrapped foreign
+    handle (:meth:`wrap`) is not owned and never destroyed by lowgrad.
+    """
+
+    __slots__ = ("device", "handle", "priority", "_cu", "_owned", "_finalizer", "__weakref__")
+
+    def __init__(self, device: Device, priority: int = 0) -> None:
+        drv = _cuda.driver()
+        device.activate()
+        lo, hi = device.stream_priority_range
+        if not (min(lo, hi) <= priority <= max(lo, hi)):
+            raise ValueError(f"stream priority {priority} outside the device's range [{hi}, {lo}]")
+        self._cu = _cuda.check("cuStreamCreateWithPriority",
+                               drv.cuStreamCreateWithPriority(_CU_STREAM_NON_BLOCKING, priority))
+        self.device, self.handle, self.priority, self._owned = device, int(self._cu), priority, True
+        self._finalizer = weakref.finalize(self, _destroy_stream, drv, self._cu)
+
+    @classmethod
+    def wrap(cls, device: Device, handle: StreamLike) -> Stream:
+        """A non-owning lowgrad Stream around a foreign stream (int handle or stream object)."""
+        s = cls.__new__(cls)
+        s.device, s.handle, s.priority, s._owned = device, stream_handle(handle), 0, False
+        s._cu = _cuda.driver().CUstream(s.handle)
+        s._finalizer = None
+        return s
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream is done."""
+        self._live()
+        self.device.activate()
+        _cuda.check("cuStreamSynchronize", _cuda.driver().cuStreamSynchronize(self._cu))
+
+    def query(self) -> bool:
+        """True when all work queued on this stream is done (never blocks)."""
+        self._live()
+        (err,) = _cuda.driver().cuStreamQuery(self._cu)
+        if int(err) == _CUDA_ERROR_NOT_READY:
+            return False
+        _cuda.check("cuStreamQuery", (err,))
+        return True
+
+    def wait(self, event: Event) -> None:
+        """Make future work on this stream wait for ``event`` (no host sync)."""
+        self._live()
+        _cuda.check("cuStreamWaitEvent", _cuda.driver().cuStreamWaitEvent(self._cu, event._cu, 0))
+
+    def close(self) -> None:
+        """Destroy an owned stream (a wrapped one is only forgotten)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.handle = -1
+
+    def _live(self) -> None:
+        if self.handle < 0:
+            raise ClosedError("stream used after close()")
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Stream(device={self.device.ordinal}, handle=0x{self.handle:x}, owned={self._owned})"
+
+
+def _destroy_stream(drv: Any, cu: Any) -> None:
+    drv.cuStreamDestroy(cu)
+
+
+class Event:
+    """A CUDA event. ``timing=True`` enables :meth:`elapsed_ms`; ``name`` labels it in traces."""
+
+    __slots__ = ("device", "name", "timing", "_cu", "_finalizer", "__weakref__")
+
+    def __init__(self, device: Device, timing: bool = False, name: str = "") -> None:
+        drv = _cuda.driver()
+        device.activate()
+        flags = 0 if timing else _CU_EVENT_DISABLE_TIMING
+        self._cu = _cuda.check("cuEventCreate", drv.cuEventCreate(flags))
+        self.device, self.name, self.timing = device, name, timing
+        self._finalizer = weakref.finalize(self, _destroy_event, drv, self._cu)
+
+    def record(self, stream: StreamLike = None) -> Event:
+        """Record this event on ``stream`` (asynchronous); returns self."""
+        _cuda.check("cuEventRecord", _cuda.driver().cuEventRecord(self._cu, stream_handle(stream)))
+        return self
+
+    def wait(self, stream: StreamLike = None) -> None:
+        """Make ``stream`` wait for this event (no host sync)."""
+        _cuda.check("cuStreamWaitEvent",
+                    _cuda.driver().cuStreamWaitEvent(stream_handle(stream), self._cu, 0))
+
+    def query(self) -> bool:
+        """True when the work captured by the last record has completed."""
+        (err,) = _cuda.driver().cuEventQuery(self._cu)
+        if int(err) == _CUDA_ERROR_NOT_READY:
+            return False
+        _cuda.check("cuEventQuery", (err,))
+        return True
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded work is complete."""
+        _cuda.check("cuEventSynchronize", _cuda.driver().cuEventSynchronize(self._cu))
+
+    def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds from this event to ``end`` (both recorded with timing=True)."""
+        if not (self.timing and end.timing):
+            raise ValueError("elapsed_ms needs two events created with timing=True")
+        return float(_cuda.check("cuEventElapsedTime", _cuda.driver().cuEventElapsedTime(self._cu, end._cu)))
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"Event(device={self.device.ordinal}, name={self.name!r})"
+
+
+def _destroy_event(drv: Any, cu: Any) -> None:
+    drv.cuEventDestroy(cu)

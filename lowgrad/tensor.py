@@ -1,0 +1,228 @@
+"""Tensors: typed, shaped, contiguous views of an :class:`~lowgrad.memory.Allocation`, and
+named containers of them.
+
+Device tensors expose ``__cuda_array_interface__`` (v3) and DLPack; host-visible tensors
+(host, pinned, write-combined) give a writable numpy view through :meth:`Tensor.numpy`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import dlpack
+from .dtypes import DType, as_dtype
+from .memory import HOST_VISIBLE, Allocation
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """Normalise a shape (int or sequence of ints) and reject negative or non-integer dims."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+            raise TypeError(f"shape {shape!r}: dimensions must be ints")
+        if d < 0:
+            raise ValueError(f"shape {shape!r}: negative dimension")
+    return tuple(int(d) for d in dims)
+
+
+class Tensor:
+    """A contiguous, typed, shaped view: ``ptr`` (int address), ``dtype``, ``shape``, ``device``,
+    ``kind`` ("device" | "pinned" | "write_combined" | "host") and ``name``.
+
+    Using a tensor whose memory was closed raises :class:`~lowgrad.errors.ClosedError`.
+    """
+
+    __slots__ = ("_alloc", "_offset", "dtype", "shape", "name", "numel", "nbytes")
+
+    def __init__(self, alloc: Allocation, offset: int, dtype: DType, shape: tuple[int, ...], name: str) -> None:
+        self._alloc, self._offset, self.dtype, self.shape, self.name = alloc, offset, dtype, shape, name
+        self.numel = math.prod(shape)
+        self.nbytes = self.numel * dtype.itemsize
+
+    @property
+    def ptr(self) -> int:
+        """Device-visible address of element 0 (raises after close)."""
+        return self._alloc.ptr + self._offset
+
+    @property
+    def device(self) -> Any:
+        return self._alloc.device
+
+    @property
+    def kind(self) -> str:
+        return self._alloc.kind
+
+    @property
+    def allocation(self) -> Allocation:
+        return self._alloc
+
+    @property
+    def closed(self) -> bool:
+        return self._alloc.closed
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def close(self) -> None:
+        """Free the memory under this tensor now (every view of it becomes unusable)."""
+        self._alloc.close()
+
+    def __enter__(self) -> Tensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- views -------------------------------------------------------------------------
+    def view(self, start: int, numel: int, shape: Any = None) -> Tensor:
+        """A contiguous sub-view of ``numel`` elements from flat element ``start`` (1-D unless
+        ``shape`` is given)."""
+        if start < 0 or numel < 0 or start + numel > self.numel:
+            raise ValueError(f"view [{start}, {start + numel}) outside tensor {self.name!r} of {self.numel} elements")
+        shp = (numel,) if shape is None else check_shape(shape)
+        if math.prod(shp) != numel:
+            raise ValueError(f"shape {shp} does not hold {numel} elements")
+        return Tensor(self._alloc, self._offset + start * self.dtype.itemsize, self.dtype, shp, self.name)
+
+    def flat(self) -> Tensor:
+        """The same memory as a 1-D tensor."""
+        return self.view(0, self.numel)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        """The same contiguous memory with another shape (same number of elements)."""
+        shp = check_shape(shape[0] if len(shape) == 1 else shape)
+        if math.prod(shp) != self.numel:
+            raise ValueError(f"cannot reshape tensor {self.name!r} of shape {self.shape} to {shp}")
+        return Tensor(self._alloc, self._offset, self.dtype, shp, self.name)
+
+    def __getitem__(self, key: Any) -> Tensor:
+        """Contiguous slicing along dim 0 (``t[a:b]``, step 1) or one index (``t[i]``)."""
+        if not self.shape:
+            raise IndexError("cannot index a 0-d tensor")
+        rows, row = self.shape[0], math.prod(self.shape[1:])
+        if isinstance(key, slice):
+            start, stop, step = key.indices(rows)
+            if step != 1:
+                raise ValueError("only contiguous slices (step 1) along dim 0 are supported")
+            stop = max(stop, start)
+            return self.view(start * row, (stop - start) * row, (stop - start,) + self.shape[1:])
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + rows if key < 0 else int(key)
+            if not 0 <= i < rows:
+                raise IndexError(f"index {key} out of range for dim 0 of size {rows}")
+            return self.view(i * row, row, self.shape[1:])
+        raise TypeError(f"tensors index along dim 0 with an int or a slice, not {type(key).__name__}")
+
+    # ---- host access -------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A writable numpy view of host-visible memory (host, pinned, write-combined kinds, and
+        every tensor of the host backend) or a host copy of CUDA device memory (after a device
+        synchronise)."""
+        if self._alloc._host is not None or self.kind in HOST_VISIBLE:
+            raw = self._alloc.host_bytes()[self._offset:self._offset + self.nbytes]
+            return raw.view(self.dtype.np).reshape(self.shape)
+        out = np.empty(self.shape, self.dtype.np)
+        self.device.copy_to_host(out, self)
+        return out
+
+    # ---- interop -----------------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        if self.kind != "device":
+            raise AttributeError("__cuda_array_interface__ is provided by device tensors only")
+        return {"shape": self.shape, "typestr": self.dtype.typestr, "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """A DLPack capsule over this tensor's memory (no copy). The consumer's ``stream`` is not
+        synchronised with lowgrad's streams: order work through events before sharing."""
+        if copy:
+            raise BufferError("lowgrad tensors are exported without copying (copy=True unsupported)")
+        return dlpack.to_capsule(self, self._dl_device())
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._dl_device()
+
+    def _dl_device(self) -> tuple[int, int]:
+        if self.kind == "device":
+            return (dlpack.KDL_CUDA, self.device.ordinal)
+        if self.kind in ("pinned", "write_combined") and getattr(self.device, "ordinal", None) is not None:
+            return (dlpack.KDL_CUDA_HOST, 0)
+        return (dlpack.KDL_CPU, 0)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"0x{self._alloc._ptr or 0:x}+{self._offset}"
+        return f"Tensor({self.name!r}, {self.dtype.name}, shape={self.shape}, {self.kind}, {state})"
+
+
+def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
+    """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r} outside [0, {world})")
+    if not t.shape:
+        raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")
+    if t.shape[0] % world:
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible by world {world}")
+    rows = t.shape[0] // world
+    return t[rank * rows:(rank + 1) * rows]
+
+
+class Container:
+    """An ordered, named collection of tensors (a layer's gradients); ``None`` slots are allowed
+    and skipped by iteration. Index by name or position."""
+
+    __slots__ = ("_names", "_tensors", "_index")
+
+    def __init__(self, items: list[tuple[str, Tensor | None]]) -> None:
+        self._names = tuple(n for n, _ in items)
+        self._tensors = tuple(t for _, t in items)
+        self._index = {n: i for i, n in enumerate(self._names)}
+        if len(self._index) != len(self._names):
+            raise ValueError("container names must be unique")
+
+    def __getitem__(self, key: str | int) -> Tensor | None:
+        if isinstance(key, str):
+            try:
+                return self._tensors[self._index[key]]
+            except KeyError:
+                raise KeyError(f"no tensor named {key!r}; have {list(self._names)}") from None
+        return self._tensors[key]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def names(self) -> tuple[str, ...]:
+        return self._names
+
+    def items(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) for every non-empty slot, in order."""
+        return ((n, t) for n, t in zip(self._names, self._tensors) if t is not None)
+
+    def tensors(self) -> Iterator[Tensor]:
+        return (t for t in self._tensors if t is not None)
+
+    def __repr__(self) -> str:
+        return f"Container({list(self._names)})"
+
+
+def from_numpy(array: np.ndarray, device: Any, kind: str = "device", name: str = "from_numpy") -> Tensor:
+    """A new tensor on ``device`` holding a copy of ``array`` (synchronous)."""
+    arr = np.ascontiguousarray(array)
+    t = device.alloc(arr.shape, as_dtype(arr.dtype), kind=kind, name=name)
+    device.copy_from_host(t, arr)
+    return t
