@@ -77,6 +77,7 @@ def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0,
     fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not overlap
     ``b`` or partially overlap ``a``. The noise of element ``i`` uses index ``index_offset + i``.
     """
+    h = stream_handle(stream)
     _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
     for t, what in ((dst, "dst"), (a, "a"), (b, "b")):
         _dtype_in(t, what, SR_DTYPES)
@@ -89,7 +90,7 @@ def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0,
         raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
     _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
     seed, index_offset = check_seed(seed, index_offset)
-    dev.kernels.add_sr(dst, a, b, check_scale(scale), seed, index_offset, stream_handle(stream))
+    dev.kernels.add_sr(dst, a, b, check_scale(scale), seed, index_offset, h)
 
 
 def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
@@ -99,6 +100,7 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
     ``src`` holds ``n_shards`` consecutive blocks, each of ``dst.numel`` elements; ``skip`` is a
     block index or -1. Sums run in float32 in block order starting from +0.0.
     """
+    h = stream_handle(stream)
     _tensor(dst, "dst"), _tensor(src, "src")
     _dtype_in(dst, "dst", SR_DTYPES), _dtype_in(src, "src", SR_DTYPES)
     dev = _same_device(dst, (src, "src"))
@@ -113,15 +115,16 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
         raise ValueError(f"reduce_sr: dst {dst.name!r} may not overlap src {src.name!r}")
     _kernel_memory(dev, (dst, "dst"), (src, "src"))
     seed, index_offset = check_seed(seed, index_offset)
-    dev.kernels.reduce_sr(dst, src, n_shards, skip, check_scale(scale), bool(accumulate), seed, index_offset,
-                          stream_handle(stream))
+    dev.kernels.reduce_sr(dst, src, n_shards, skip, check_scale(scale), bool(accumulate), seed, index_offset, h)
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
     """Set every byte of ``dst`` to zero on ``stream``."""
+    h = stream_handle(stream)
     _tensor(dst, "dst")
     _kernel_memory(dst.device, (dst, "dst"))
-    dst.device.kernels.fill_zero(dst, stream_handle(stream))
+    dst.ptr  # raises on a closed tensor before anything is queued
+    dst.device.kernels.fill_zero(dst, h)
 
 
 def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
@@ -137,6 +140,7 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     ``x`` is fp32 or bf16; ``out`` a one-element fp32 or fp64 tensor whose dtype is the
     accumulation type. Deterministic for a given device and size.
     """
+    h = stream_handle(stream)
     _tensor(x, "x"), _tensor(out, "out")
     _dtype_in(x, "x", SR_DTYPES), _dtype_in(out, "out", NORM_OUT_DTYPES)
     dev = _same_device(out, (x, "x"))
@@ -145,4 +149,4 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     if _overlap(x, out):
         raise ValueError("norm_squared: out may not overlap x")
     _kernel_memory(dev, (x, "x"), (out, "out"))
-    dev.kernels.norm_squared(x, out, bool(accumulate), stream_handle(stream))
+    dev.kernels.norm_squared(x, out, bool(accumulate), h)

@@ -1,0 +1,36 @@
+"""Gradient managers: one per rank, driven by the engine through the micro-step protocol."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..dtypes import DType, bf16
+from ..layout import Layout
+from .base import GradientManager, ProtocolError
+from .sharded import AllToAllManager, ShardedManager
+from .unsharded import UnshardedManager
+
+STRATEGIES: dict[str, type[GradientManager]] = {
+    "unsharded": UnshardedManager,
+    "scatter_reduce": ShardedManager,
+    "all_to_all": AllToAllManager,
+}
+
+
+def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
+                            dtype: DType | str = bf16, seed: int = 0, step: int = 0) -> GradientManager:
+    """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
+
+    ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
+    ``offload``: block shards in pinned host memory (sharded strategies only); ``dtype``: bf16 or
+    fp32 gradients; ``seed``: the base seed of the SR noise; ``step``: the optimizer step to run
+    first.
+    """
+    try:
+        cls = STRATEGIES[strategy]
+    except KeyError:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}") from None
+    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload)
+
+
+__all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "UnshardedManager", "ShardedManager",
+           "AllToAllManager", "STRATEGIES"]

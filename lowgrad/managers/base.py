@@ -1,0 +1,299 @@
+"""What every gradient manager shares: the micro-step protocol and its misuse checks, per-use
+seeds, the streams and events between the engine and the manager, non-block gradients, the
+global norm and the saved state.
+
+Protocol (DESIGN.md, "Gradient managers"), per micro-batch::
+
+    gm.start_micro_step(stream, micro_step, total_micro_steps)
+    t, accumulate = gm.non_block_full(name, stream); ...; gm.notify_non_block(name, stream)
+    for layer in reversed(range(L)):
+        dw, accumulate = gm.block_full(layer, stream); <engine writes dw>; gm.notify_block(layer, stream)
+    gm.end_micro_step(stream)
+
+then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``.
+Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
+ordered by events; none blocks the host.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..dtypes import DType, as_dtype, bf16, fp32
+from ..layout import Layout, ParamSpec
+from ..seeds import use_seeds
+from ..stream import StreamLike
+from ..tensor import Container, Tensor, shard_view
+
+GRAD_DTYPES = (bf16, fp32)
+
+
+class ProtocolError(ValueError):
+    """A micro-step protocol violation (fetch out of order, notify without fetch, ...)."""
+
+
+class GradientManager(ABC):
+    """Base of the managers; subclasses implement the block half (``_alloc_blocks``,
+    ``block_full``, ``_exchange_block``, ``block_shard``)."""
+
+    strategy = ""
+
+    def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
+                 offload: bool = False) -> None:
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
+        self.dtype = as_dtype(dtype)
+        if self.dtype not in GRAD_DTYPES:
+            raise TypeError(f"gradient dtype must be bf16 or fp32, got {self.dtype.name}")
+        for spec in (*layout.block, *layout.non_block):
+            if spec.dtype is not None and as_dtype(spec.dtype) is not self.dtype:
+                raise TypeError(f"parameter {spec.name!r} has dtype {as_dtype(spec.dtype).name}, "
+                                f"but the manager's gradient dtype is {self.dtype.name}")
+        ops.check_seed(seed, 0)
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.layout, self.comm, self.offload = layout, comm, bool(offload)
+        self.rank, self.world, self.device = comm.rank, comm.world, comm.device
+        layout.check_world(self.world)
+        self.base_seed, self.step = seed, step
+        self.comm_stream = self.device.stream(priority=self.device_priority_high())
+        self._engine_done = self.device.event(name="engine_done")
+        self._comm_done = self.device.event(name="comm_done")
+        self._nb_done = self.device.event(name="non_block_done")
+        # protocol state
+        self._in_micro = False
+        self._micro = -1
+        self._total = 0
+        self._next_layer = -1
+        self._fetched: int | None = None
+        self._nb_open: set[str] = set()
+        self._nb_touched: set[str] = set()
+        self._seeds = np.zeros((layout.num_layers, max(1, len(layout.block)), 2), np.uint64)
+        self._alloc_non_block()
+        self._alloc_blocks()
+        self._norm = self.device.alloc(1, fp32, name="grad_norm")
+
+    def device_priority_high(self) -> int:
+        rng = getattr(self.device, "stream_priority_range", (0, 0))
+        return min(rng)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _alloc_non_block(self) -> None:
+        lazy = self.device.lazy_allocator("device")
+        self._nb_full = {s.name: lazy.alloc(s.shape, self.dtype, "non_block_grad") for s in self.layout.non_block}
+        self._nb_spec = {s.name: s for s in self.layout.non_block}
+        if self._nb_full:
+            lazy.commit()
+
+    @abstractmethod
+    def _alloc_blocks(self) -> None:
+        """Allocate the block gradients (full buffers, shards) and their events."""
+
+    # ---- protocol ------------------------------------------------------------------------
+    def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
+        """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step (host only)."""
+        if self._in_micro:
+            raise ProtocolError(f"start_micro_step({micro_step}) while micro-step {self._micro} is in progress")
+        if not isinstance(total_micro_steps, int) or total_micro_steps < 1:
+            raise ProtocolError(f"total_micro_steps must be a positive int, got {total_micro_steps!r}")
+        expected = self._micro + 1 if self._micro >= 0 else 0
+        if micro_step != expected:
+            raise ProtocolError(f"micro-step {micro_step} started, expected {expected} (step {self.step})")
+        if micro_step > 0 and total_micro_steps != self._total:
+            raise ProtocolError(f"total_micro_steps changed from {self._total} to {total_micro_steps} within step {self.step}")
+        if micro_step >= total_micro_steps:
+            raise ProtocolError(f"micro-step {micro_step} out of range for {total_micro_steps} micro-steps")
+        self._in_micro, self._micro, self._total = True, micro_step, total_micro_steps
+        self._next_layer, self._fetched = self.layout.num_layers - 1, None
+        if micro_step == 0:
+            self._nb_touched = set()
+        L, T = self._seeds.shape[:2]
+        self._seeds = use_seeds(self.base_seed, self.step, micro_step, np.arange(L)[:, None, None],
+                                np.arange(T)[None, :, None], np.arange(2)[None, None, :])
+
+    @property
+    def last_micro_step(self) -> bool:
+        return self._micro == self._total - 1
+
+    def _check_in_micro(self, what: str) -> None:
+        if not self._in_micro:
+            raise ProtocolError(f"{what} outside a micro-step (call start_micro_step first)")
+
+    def _check_fetch(self, layer: int) -> None:
+        self._check_in_micro(f"block_full({layer})")
+        self._check_layer(layer)
+        if self._fetched is not None:
+            raise ProtocolError(f"block_full({layer}) while layer {self._fetched} is fetched and not notified")
+        if layer != self._next_layer:
+            raise ProtocolError(f"block_full({layer}) out of order: layers go from L-1 down to 0, expected "
+                                f"{self._next_layer}")
+        self._fetched = layer
+
+    def _check_notify(self, layer: int) -> None:
+        self._check_in_micro(f"notify_block({layer})")
+        self._check_layer(layer)
+        if self._fetched != layer:
+            raise ProtocolError(f"notify_block({layer}) for a layer that was not fetched (fetched: {self._fetched})")
+        self._fetched, self._next_layer = None, layer - 1
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
+
+    def notify_block(self, layer: int, stream: StreamLike) -> None:
+        """The engine finished writing layer ``layer``'s gradients on ``stream``: queue the
+        exchange and accumulation on the manager's communication stream."""
+        self._check_notify(layer)
+        self._engine_done.record(stream)
+        self.comm_stream.wait(self._engine_done)
+        self._exchange_block(layer)
+
+    @abstractmethod
+    def _exchange_block(self, layer: int) -> None:
+        """Queue layer ``layer``'s exchange/accumulation on ``self.comm_stream``."""
+
+    def end_micro_step(self, stream: StreamLike) -> None:
+        """Close the micro-step; on the last one, reduce-scatter the non-block gradients and
+        advance ``step``. ``stream`` waits for all of this micro-step's gradient traffic."""
+        self._check_in_micro("end_micro_step")
+        if self._fetched is not None or self._next_layer != -1:
+            raise ProtocolError(f"end_micro_step with layers {self._next_layer}..0 not notified"
+                                if self._fetched is None else f"end_micro_step with layer {self._fetched} not notified")
+        if self._nb_open:
+            raise ProtocolError(f"end_micro_step with non-block gradients not notified: {sorted(self._nb_open)}")
+        if self.last_micro_step:
+            self._finish_non_block(stream)
+        self._comm_done.record(self.comm_stream)
+        self._comm_done.wait(stream)
+        self._in_micro = False
+        if self.last_micro_step:
+            self.step += 1
+            self._micro = -1
+
+    # ---- non-block parameters (full on every rank, reduce-scattered on the last micro-step)
+    def non_block_full(self, name: str, stream: StreamLike) -> tuple[Tensor, bool]:
+        """The full gradient of non-block parameter ``name`` and whether to add into it.
+
+        ``zero_init`` parameters are zeroed on ``stream`` at their first fetch of a step and are
+        always added into. Fetching again within a step returns ``accumulate=True``.
+        """
+        self._check_in_micro(f"non_block_full({name!r})")
+        t = self._nb(name)
+        if name in self._nb_open:
+            raise ProtocolError(f"non_block_full({name!r}) again before notify_non_block({name!r})")
+        first = name not in self._nb_touched
+        if first:
+            self._nb_done.wait(stream)  # the previous step's reduce-scatter is done with it
+        if first and self._nb_spec[name].zero_init:
+            ops.fill_zero(t, stream)
+        self._nb_open.add(name)
+        self._nb_touched.add(name)
+        return t, (not first) or self._nb_spec[name].zero_init
+
+    def notify_non_block(self, name: str, stream: StreamLike) -> None:
+        """The engine finished writing non-block gradient ``name`` on ``stream``."""
+        self._check_in_micro(f"notify_non_block({name!r})")
+        self._nb(name)
+        if name not in self._nb_open:
+            raise ProtocolError(f"notify_non_block({name!r}) without non_block_full({name!r})")
+        self._nb_open.discard(name)
+
+    def _finish_non_block(self, stream: StreamLike) -> None:
+        self._engine_done.record(stream)
+        self.comm_stream.wait(self._engine_done)
+        for name, t in self._nb_full.items():
+            if name in self._nb_touched:
+                self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
+            else:  # never produced this step: its gradient is zero
+                ops.fill_zero(t, self.comm_stream)
+        self._nb_done.record(self.comm_stream)
+
+    def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
+        """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on
+        ``stream`` (which waits for the reduce-scatter). Valid between steps."""
+        self._check_between_steps(f"non_block_shard({name!r})")
+        t = self._nb(name)
+        self._nb_done.wait(stream)
+        return shard_view(t, self.rank, self.world)
+
+    def _nb(self, name: str) -> Tensor:
+        try:
+            return self._nb_full[name]
+        except KeyError:
+            raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
+
+    def _check_between_steps(self, what: str) -> None:
+        if self._in_micro or self._micro >= 0:
+            raise ProtocolError(f"{what} during step {self.step} (micro-step {self._micro} of {self._total}); "
+                                "shards are complete only after the last micro-step ends")
+
+    # ---- containers ----------------------------------------------------------------------
+    def _container(self, tensors: list[Tensor]) -> Container:
+        return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
+
+    def _zero_init(self, tensors: list[Tensor], stream: StreamLike) -> None:
+        for s, t in zip(self.layout.block, tensors):
+            if s.zero_init:
+                ops.fill_zero(t, stream)
+
+    def seed(self, layer: int, tensor: int, phase: int) -> int:
+        """The per-use SR seed of the micro-step in progress."""
+        return int(self._seeds[layer, tensor, phase])
+
+    def shard_offset(self, spec: ParamSpec) -> int:
+        """Element offset of this rank's shard within the full tensor (for the SR noise index)."""
+        return self.rank * (spec.numel // self.world)
+
+    # ---- norm, memory, state --------------------------------------------------------------
+    @abstractmethod
+    def shards(self) -> list[Tensor]:
+        """Every shard this rank holds (block layers then non-block), for optimizers and norms."""
+
+    def grad_norm_squared(self, stream: StreamLike = None) -> Tensor:
+        """Sum of squares over every shard of every rank (fp32 scalar on the device, all-reduced),
+        queued on ``stream``. Valid between steps; read it with ``.numpy()``."""
+        self._check_between_steps("grad_norm_squared")
+        self._comm_done.wait(stream)
+        for i, t in enumerate(self.shards()):
+            ops.norm_squared(t, self._norm, accumulate=i > 0, stream=stream)
+        self.comm.all_reduce(self._norm, op="sum", stream=stream)
+        return self._norm
+
+    def memory_report(self) -> Any:
+        """Bytes by allocation name and kind on this rank's device."""
+        return self.device.memory_report()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a restart needs for bit-identical gradients: base seed and step (between steps)."""
+        self._check_between_steps("state_dict")
+        return {"strategy": self.strategy, "base_seed": self.base_seed, "step": self.step,
+                "rank": self.rank, "world": self.world}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (same strategy and world; between steps)."""
+        self._check_between_steps("load_state_dict")
+        for key in ("strategy", "world"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(f"state {key} {state.get(key)!r} does not match this manager's {getattr(self, key)!r}")
+        ops.check_seed(state["base_seed"], 0)
+        if not isinstance(state["step"], int) or state["step"] < 0:
+            raise ValueError(f"state step must be a non-negative int, got {state['step']!r}")
+        self.base_seed, self.step = int(state["base_seed"]), int(state["step"])
+
+    def close(self) -> None:
+        """Free every gradient buffer now."""
+        for t in (*self._nb_full.values(), *self._owned()):
+            t.close()
+
+    @abstractmethod
+    def _owned(self) -> list[Tensor]:
+        """The block tensors this manager allocated."""
+
+    def __enter__(self) -> GradientManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,52 @@
+"""Unsharded (ZeRO-1) manager: full gradients of every layer on every rank; the engine
+accumulates into them; on the last micro-step each tensor is reduce-scattered (average) in place
+and the shards are views of the full buffers."""
+from __future__ import annotations
+
+from ..stream import StreamLike
+from ..tensor import Container, Tensor, shard_view
+from .base import GradientManager
+
+
+class UnshardedManager(GradientManager):
+    strategy = "unsharded"
+
+    def _alloc_blocks(self) -> None:
+        if self.offload:
+            raise ValueError("offload applies to the sharded strategies; the unsharded manager keeps full "
+                             "gradients on the device")
+        lazy = self.device.lazy_allocator("device")
+        self._full = [[lazy.alloc(s.shape, self.dtype, "block_grad") for s in self.layout.block]
+                      for _ in range(self.layout.num_layers)]
+        lazy.commit()
+        self._done = [self.device.event(name=f"layer{l}_reduced") for l in range(self.layout.num_layers)]
+
+    def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
+        """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).
+        ``zero_init`` tensors are zeroed on ``stream`` on micro-step 0 and always added into."""
+        self._check_fetch(layer)
+        tensors = self._full[layer]
+        if self._micro == 0:
+            self._done[layer].wait(stream)  # the previous step's reduce-scatter has finished
+            self._zero_init(tensors, stream)
+        return self._container(tensors), self._micro > 0
+
+    def _exchange_block(self, layer: int) -> None:
+        if self.last_micro_step:
+            for t in self._full[layer]:
+                self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
+            self._done[layer].record(self.comm_stream)
+
+    def block_shard(self, layer: int, stream: StreamLike) -> Container:
+        """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``."""
+        self._check_between_steps(f"block_shard({layer})")
+        self._check_layer(layer)
+        self._done[layer].wait(stream)
+        return self._container([shard_view(t, self.rank, self.world) for t in self._full[layer]])
+
+    def shards(self) -> list[Tensor]:
+        nb = [shard_view(t, self.rank, self.world) for t in self._nb_full.values()]
+        return [shard_view(t, self.rank, self.world) for ts in self._full for t in ts] + nb
+
+    def _owned(self) -> list[Tensor]:
+        return [t for ts in self._full for t in ts]
