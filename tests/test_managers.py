@@ -1,0 +1,290 @@
+"""Gradient managers on the host backend: results against a float64 reference, noise, zero_init,
+state restore, misuse, memory."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import lowgrad as lg
+from lowgrad.managers import ProtocolError
+
+STRATS = [("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
+          ("all_to_all", True)]
+
+
+def small_layout(layers: int = 3, zero_init: bool = False) -> lg.Layout:
+    block = [lg.ParamSpec("w1", (8, 6)), lg.ParamSpec("b1", (8,), zero_init=zero_init), lg.ParamSpec("w2", (16, 3))]
+    return lg.Layout(block=block, non_block=[lg.ParamSpec("emb", (12, 4)), lg.ParamSpec("norm", (4,))],
+                     num_layers=layers)
+
+
+def grad(rank: int, micro: int, layer: int, i: int, shape: tuple[int, ...], step: int = 0) -> np.ndarray:
+    rng = np.random.default_rng([rank, micro, layer + 1, i, step])
+    return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+
+def drive(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int = 1,
+          gm: Any = None, first_step: int = 0, gfun: Callable[..., np.ndarray] = grad) -> dict[str, np.ndarray]:
+    """One engine on one rank: writes each gradient (copy or add), returns the shards as float64."""
+    dev = comm.device
+    gm = gm or lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload)
+    stream = dev.stream()
+    scratch: dict[tuple[int, ...], lg.Tensor] = {}
+
+    def write(t: lg.Tensor, acc: bool, g: np.ndarray) -> None:
+        src = scratch.get(t.shape)
+        if src is None:
+            src = scratch[t.shape] = dev.alloc(t.shape, lg.fp32, name="engine_scratch")
+        src.numpy()[...] = g
+        if acc:
+            lg.ops.add_sr(t, t, src, 1.0, seed=99, stream=stream)
+        else:
+            lg.ops.add_sr(t, src, src, 0.5, seed=98, stream=stream)  # an exact copy for bf16-representable g
+
+    for step in range(first_step, first_step + steps):
+        for m in range(micro):
+            gm.start_micro_step(stream, m, micro)
+            for i, s in enumerate(layout.non_block):
+                t, acc = gm.non_block_full(s.name, stream)
+                write(t, acc, gfun(comm.rank, m, -1, i, s.shape, step))
+                gm.notify_non_block(s.name, stream)
+            for layer in reversed(range(layout.num_layers)):
+                dw, acc = gm.block_full(layer, stream)
+                for i, s in enumerate(layout.block):
+                    write(dw[s.name], acc or s.zero_init, gfun(comm.rank, m, layer, i, s.shape, step))
+                gm.notify_block(layer, stream)
+            gm.end_micro_step(stream)
+    out = {f"nb.{s.name}": gm.non_block_shard(s.name, stream).numpy().astype(np.float64) for s in layout.non_block}
+    for layer in range(layout.num_layers):
+        c = gm.block_shard(layer, stream)
+        for s in layout.block:
+            out[f"{layer}.{s.name}"] = c[s.name].numpy().astype(np.float64)
+    return out
+
+
+def bf16_grad(*args: Any) -> np.ndarray:
+    return grad(*args).astype(lg.bf16.np).astype(np.float32)
+
+
+def reference(layout: lg.Layout, world: int, micro: int, rank: int, step: int = 0,
+              gfun: Callable[..., np.ndarray] = bf16_grad) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(expected shard, largest magnitude seen) per tensor, float64."""
+    items = [(f"nb.{s.name}", -1, i, s) for i, s in enumerate(layout.non_block)]
+    items += [(f"{l}.{s.name}", l, i, s) for l in range(layout.num_layers) for i, s in enumerate(layout.block)]
+    out = {}
+    for key, layer, i, s in items:
+        acc, mag = np.zeros(s.shape), np.zeros(s.shape)
+        for m in range(micro):
+            gs = [gfun(r, m, layer, i, s.shape, step).astype(np.float64) for r in range(world)]
+            acc += sum(gs) / world
+            mag = np.maximum(mag, np.maximum(np.abs(acc), np.max(np.abs(gs), axis=0)))
+        rows = s.shape[0] // world
+        out[key] = (acc[rank * rows:(rank + 1) * rows], mag[rank * rows:(rank + 1) * rows])
+    return out
+
+
+def ulp(x: np.ndarray) -> np.ndarray:
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** -126))) - 7)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("strategy,offload", STRATS)
+@pytest.mark.parametrize("micro", [1, 2, 5])
+def test_shards_match_float64_reference(world: int, strategy: str, offload: bool, micro: int) -> None:
+    layout = small_layout()
+    results = lg.run_threads(world, lambda c: drive(c, layout, strategy, offload, micro, gfun=bf16_grad))
+    # SR roundings per element: engine adds (micro-1) + manager adds (micro) + NCCL-style rounding (world>1)
+    bound = 2 * micro + (2 if world > 1 else 0)
+    for rank, got in enumerate(results):
+        ref = reference(layout, world, micro, rank)
+        for key, (want, mag) in ref.items():
+            err = np.abs(got[key] - want) / ulp(mag)
+            assert err.max() <= bound, (key, err.max())
+
+
+def test_single_micro_step_world1_is_exact() -> None:
+    layout = small_layout()
+    for strategy, offload in STRATS:
+        (got,) = lg.run_threads(1, lambda c: drive(c, layout, strategy, offload, 1, gfun=bf16_grad))
+        for key, (want, _) in reference(layout, 1, 1, 0).items():
+            assert np.array_equal(got[key], want), (strategy, key)
+
+
+def test_sr_accumulation_is_unbiased_and_fresh_every_micro_step() -> None:
+    """1.0 on micro-step 0, then a constant of 0.164 ulp for 63 micro-steps (the sum stays in
+    [1, 2), one ulp = 2**-7). With fresh noise each micro-step the error is a random walk
+    (std about sqrt(63 * 0.164 * 0.836) = 2.9 ulps); with noise repeated across micro-steps each
+    element would round the same way every time and drift linearly (std over 20 ulps)."""
+    layout = lg.Layout(block=[lg.ParamSpec("w", (8192,))], non_block=[], num_layers=1)
+    c = 1.3125 * 2.0 ** -10  # exact in bf16
+
+    def const(rank: int, micro: int, layer: int, i: int, shape: tuple[int, ...], step: int) -> np.ndarray:
+        return np.full(shape, 1.0 if micro == 0 else c, np.float32)
+
+    M = 64
+    for strategy in ("scatter_reduce", "all_to_all"):
+        (got,) = lg.run_threads(1, lambda comm: drive(comm, layout, strategy, False, M, gfun=const))
+        err = (got["0.w"] - (1.0 + (M - 1) * c)) / 2.0 ** -7
+        assert abs(err.mean()) < 0.3, (strategy, err.mean())
+        assert 1.0 < err.std() < 6.0, (strategy, err.std())
+
+
+def test_all_to_all_and_scatter_reduce_agree() -> None:
+    layout = small_layout()
+    for world in (2, 4):
+        a = lg.run_threads(world, lambda c: drive(c, layout, "all_to_all", False, 3, gfun=bf16_grad))
+        b = lg.run_threads(world, lambda c: drive(c, layout, "scatter_reduce", False, 3, gfun=bf16_grad))
+        for ra, rb in zip(a, b):
+            for key in ra:
+                scale = ulp(np.maximum(np.abs(ra[key]), np.abs(rb[key])))
+                assert (np.abs(ra[key] - rb[key]) / scale).max() <= 8, key
+
+
+def test_zero_init_is_zeroed_each_step() -> None:
+    layout = small_layout(zero_init=True)
+    for strategy, offload in STRATS:
+        (got,) = lg.run_threads(1, lambda c: drive(c, layout, strategy, offload, 2, steps=2, gfun=bf16_grad))
+        ref = reference(layout, 1, 2, 0, step=1)
+        for layer in range(layout.num_layers):
+            want, mag = ref[f"{layer}.b1"]
+            assert (np.abs(got[f"{layer}.b1"] - want) / ulp(mag)).max() <= 4, strategy
+
+
+def test_state_restore_is_bit_identical() -> None:
+    layout = small_layout()
+    for strategy, offload in STRATS[1:]:
+        def job(comm: Any) -> tuple[dict, dict]:
+            gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=7)
+            drive(comm, layout, strategy, offload, 3, gm=gm)
+            state = gm.state_dict()
+            after = drive(comm, layout, strategy, offload, 3, gm=gm, first_step=1)
+            gm2 = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=0)
+            gm2.load_state_dict(state)
+            again = drive(comm, layout, strategy, offload, 3, gm=gm2, first_step=1)
+            return after, again
+
+        for after, again in lg.run_threads(2, job):
+            for key in after:
+                assert np.array_equal(after[key], again[key]), (strategy, key)
+
+
+def test_different_seeds_give_different_noise() -> None:
+    layout = small_layout()
+
+    def job(comm: Any, seed: int) -> dict:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", seed=seed)
+        return drive(comm, layout, "scatter_reduce", False, 3, gm=gm)
+
+    (a,) = lg.run_threads(1, lambda c: job(c, 1))
+    (b,) = lg.run_threads(1, lambda c: job(c, 2))
+    assert any(not np.array_equal(a[k], b[k]) for k in a)
+
+
+def _comm() -> Any:
+    return lg.run_threads(1, lambda c: c)[0]
+
+
+def test_misuse_raises() -> None:
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce")
+        s = comm.device.default_stream
+        with pytest.raises(ProtocolError, match="outside a micro-step"):
+            gm.block_full(2, s)
+        with pytest.raises(ProtocolError, match="expected 0"):
+            gm.start_micro_step(s, 1, 2)
+        gm.start_micro_step(s, 0, 2)
+        with pytest.raises(ProtocolError, match="in progress"):
+            gm.start_micro_step(s, 0, 2)
+        with pytest.raises(ProtocolError, match="out of order"):
+            gm.block_full(0, s)
+        with pytest.raises(ProtocolError, match="not fetched"):
+            gm.notify_block(2, s)
+        gm.block_full(2, s)
+        with pytest.raises(ProtocolError, match="not notified"):
+            gm.block_full(1, s)
+        with pytest.raises(ValueError):
+            gm.block_full(7, s)
+        gm.notify_block(2, s)
+        with pytest.raises(ProtocolError, match="not notified"):
+            gm.end_micro_step(s)
+        with pytest.raises(ProtocolError, match="without non_block_full"):
+            gm.notify_non_block("emb", s)
+        gm.non_block_full("emb", s)
+        with pytest.raises(ProtocolError, match="again before"):
+            gm.non_block_full("emb", s)
+        with pytest.raises(KeyError, match="nope"):
+            gm.non_block_full("nope", s)
+        for layer in (1, 0):
+            gm.block_full(layer, s)
+            gm.notify_block(layer, s)
+        with pytest.raises(ProtocolError, match="emb"):
+            gm.end_micro_step(s)
+        gm.notify_non_block("emb", s)
+        gm.end_micro_step(s)
+        with pytest.raises(ProtocolError, match="during step"):
+            gm.block_shard(0, s)
+        with pytest.raises(ProtocolError, match="changed"):
+            gm.start_micro_step(s, 1, 3)
+
+    lg.run_threads(1, job)
+
+
+def test_bad_configuration_raises() -> None:
+    comm = _comm()
+    with pytest.raises(ValueError, match="strategy"):
+        lg.create_gradient_manager(small_layout(), comm, strategy="zero3")
+    with pytest.raises(ValueError, match="offload"):
+        lg.create_gradient_manager(small_layout(), comm, strategy="unsharded", offload=True)
+    with pytest.raises(TypeError, match="dtype"):
+        lg.create_gradient_manager(small_layout(), comm, dtype=lg.fp16)
+    mixed = lg.Layout(block=[lg.ParamSpec("w", (4,), dtype=lg.fp32)], non_block=[], num_layers=1)
+    with pytest.raises(TypeError, match="'w'"):
+        lg.create_gradient_manager(mixed, comm, dtype=lg.bf16)
+    odd = lg.Layout(block=[lg.ParamSpec("w", (6, 2))], non_block=[], num_layers=1)
+
+    def job(c: Any) -> None:
+        with pytest.raises(ValueError, match=r"'w'.*world 4"):
+            lg.create_gradient_manager(odd, c, strategy="scatter_reduce")
+
+    lg.run_threads(4, job)
+    with pytest.raises(TypeError):
+        lg.create_gradient_manager({"block": []}, comm)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_sharded_memory_matches_formula(offload: bool) -> None:
+    """Device bytes = two block buffers + L * block / world (0 with offload) + full non-block."""
+    layout = lg.llama_layout("tiny")
+    world = 2
+
+    def job(c: Any) -> dict:
+        gm = lg.create_gradient_manager(layout, c, strategy="scatter_reduce", offload=offload)
+        return gm.memory_report().as_dict()
+
+    rep = lg.run_threads(world, job)[0]
+    block, nb, L = 2 * layout.block_numel, 2 * layout.non_block_numel, layout.num_layers
+    dev = rep["device"]
+    assert dev["block_grad"] == 2 * block and dev["non_block_grad"] == nb
+    assert rep["pinned" if offload else "device"]["block_grad_shards"] == L * block // world
+    expected = 2 * block + nb + (0 if offload else L * block // world)
+    assert sum(v for k, v in dev.items() if k != "grad_norm") == expected
+
+
+def test_grad_norm_squared() -> None:
+    layout = small_layout()
+
+    def job(c: Any) -> tuple[float, float]:
+        gm = lg.create_gradient_manager(layout, c, strategy="scatter_reduce")
+        drive(c, layout, "scatter_reduce", False, 2, gm=gm)
+        local = sum(float(np.sum(t.numpy().astype(np.float64) ** 2)) for t in gm.shards())
+        return float(gm.grad_norm_squared().numpy()[0]), local
+
+    out = lg.run_threads(2, job)
+    total = sum(local for _, local in out)
+    for got, _ in out:
+        assert got == pytest.approx(total, rel=1e-5)
