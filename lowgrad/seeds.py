@@ -56,7 +56,7 @@ def use_seeds(base_seed: int, step: npt.ArrayLike, micro_step: npt.ArrayLike, la
     step_a, micro_a, layer_a, tensor_a, phase_a = words
     if any(p not in (0, 1) for p in phase_a.flat):
         raise ValueError(f"phase must be 0 or 1, got {phase!r}")
-    word3 = 2 * tensor_a + phase_a
+    word3 = np.asarray(2 * tensor_a + phase_a, dtype=object)
     if any(w >= _U32 for w in word3.flat):
         raise ValueError(f"2 * tensor + phase must be < {_U32:#x}, got tensor={tensor!r}, phase={phase!r}")
     counter = np.stack(np.broadcast_arrays(step_a, micro_a, layer_a, word3), axis=-1).astype(np.uint32)

@@ -206,7 +206,8 @@ class GradientManager(ABC):
         self.comm_stream.wait(self._engine_done)
         for name, t in self._nb_full.items():
             if name in self._nb_touched:
-                self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
+                if self.world > 1:  # world 1: the mean is the gradient
+                    self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
             else:  # never produced this step: its gradient is zero
                 ops.fill_zero(t, self.comm_stream)
         self._nb_done.record(self.comm_stream)

@@ -59,7 +59,8 @@ class ShardedManager(GradientManager):
         self._ready[layer].record(s)
 
     def _exchange_tensor(self, layer: int, i: int, full: Tensor, shard: Tensor, first: bool, s: StreamLike) -> None:
-        self.comm.reduce_scatter(full, op="avg", stream=s)
+        if self.world > 1:  # the mean over one rank is the gradient itself
+            self.comm.reduce_scatter(full, op="avg", stream=s)
         self._add_own(layer, i, full, shard, first, s)
 
     def _add_own(self, layer: int, i: int, full: Tensor, shard: Tensor, first: bool, s: StreamLike) -> None:

@@ -33,7 +33,7 @@ class UnshardedManager(GradientManager):
 
     def _exchange_block(self, layer: int) -> None:
         if self.last_micro_step:
-            for t in self._full[layer]:
+            for t in self._full[layer] if self.world > 1 else ():  # world 1: the mean is the gradient
                 self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
             self._done[layer].record(self.comm_stream)
 

@@ -1,0 +1,174 @@
+"""Micro-step time of every gradient-manager strategy against the bytes-moved floor.
+
+A synthetic engine hands each layer's gradients to the manager exactly as a real one would (one
+device-to-device copy per layer from a random bf16 pool, so the data is never zeros); the
+manager does its exchange and SR accumulation on its own stream. For each strategy (world 1 on
+one GPU, or the host backend with --backend host) it reports the median micro-step time (CUDA
+events on the engine stream, micro-steps after the first), the host time to issue a micro-step,
+the bytes the engine and manager must move, and the ratio floor/time where the floor is those
+bytes at the device-to-device copy bandwidth measured in the same run (for offload: the shard
+traffic at the pinned H2D + D2H bandwidth). Prints a table, writes JSON.
+
+    PYTHONPATH=. python3 tools/bench_manager.py --config Qwen2.5-1.5B --json $OUT/bench_manager.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import lowgrad as lg  # noqa: E402
+from lowgrad.dtypes import byte  # noqa: E402
+from lowgrad.memory import align_up  # noqa: E402
+from lowgrad.tensor import Tensor  # noqa: E402
+
+RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
+        ("all_to_all", True))
+
+
+def timed_copy(dev: Any, dst: Tensor, src: Tensor, reps: int = 10) -> float:
+    """Median seconds of ops.copy(dst, src), CUDA events."""
+    s = dev.stream()
+    e0, e1 = dev.event(timing=True), dev.event(timing=True)
+    lg.ops.copy(dst, src, stream=s)
+    times = []
+    for _ in range(reps):
+        e0.record(s)
+        lg.ops.copy(dst, src, stream=s)
+        e1.record(s)
+        e1.synchronize()
+        times.append(e0.elapsed_ms(e1) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings(dev: Any) -> dict[str, float]:
+    """Device-to-device copy bandwidth (read + write) and pinned H2D / D2H bandwidths, bytes/s."""
+    n = 1 << 31 if dev.backend == "cuda" else 1 << 26
+    a, b = dev.alloc(n, byte, name="bench_bw"), dev.alloc(n, byte, name="bench_bw")
+    lg.ops.fill_zero(a)
+    d2d = 2 * n / timed_copy(dev, b, a)
+    m = n // 2
+    p = dev.alloc(m, byte, kind="pinned", name="bench_bw")
+    h2d = m / timed_copy(dev, a.view(0, m), p)
+    d2h = m / timed_copy(dev, p, a.view(0, m))
+    for t in (a, b, p):
+        t.close()
+    return {"d2d": d2d, "h2d": h2d, "d2h": d2h}
+
+
+def span(tensors: list[Tensor]) -> Tensor:
+    """One byte tensor covering consecutive tensors of one allocation (a layer's gradients)."""
+    first, last = tensors[0], tensors[-1]
+    return Tensor(first.allocation, first._offset, byte, (last.ptr + last.nbytes - first.ptr,), first.name)
+
+
+def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
+          bw: dict[str, float]) -> dict[str, Any]:
+    dev, world = comm.device, comm.world
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1)
+    stream = dev.stream()
+    layer_bytes = max(sum(align_up(2 * s.numel) for s in layout.block),
+                      max((2 * s.numel for s in layout.non_block), default=0))
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 16, layer_bytes // 2 + 8, dtype=np.uint16) & np.uint16(0xBFFF)  # finite, |x| < 2
+    pool = lg.from_numpy(bits.view(np.uint8), dev, name="bench_pool")
+    events = [dev.event(timing=True) for _ in range(micro + 1)]
+    per_step, host_ms = [], []
+    for step in range(steps):
+        t_host = 0.0
+        for m in range(micro):
+            h0 = time.perf_counter()
+            events[m].record(stream)
+            gm.start_micro_step(stream, m, micro)
+            for s in layout.non_block:
+                t, _ = gm.non_block_full(s.name, stream)
+                lg.ops.copy(as_bytes(t), pool.view(0, t.nbytes), stream)
+                gm.notify_non_block(s.name, stream)
+            for layer in reversed(range(layout.num_layers)):
+                dw, _ = gm.block_full(layer, stream)
+                dst = span(list(dw.tensors()))
+                lg.ops.copy(dst, pool.view(0, dst.nbytes), stream)
+                gm.notify_block(layer, stream)
+            gm.end_micro_step(stream)
+            t_host += time.perf_counter() - h0
+        events[micro].record(stream)
+        events[micro].synchronize()
+        per_step.append([events[m].elapsed_ms(events[m + 1]) for m in range(micro)])
+        host_ms.append(t_host * 1e3 / micro)
+    last = per_step[-1]
+    steady = statistics.median(last[1:-1] if micro > 2 else last)
+    B = 2 * layout.block_numel * layout.num_layers
+    NB = 2 * layout.non_block_numel
+    engine = 2 * (B + NB)
+    shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
+    if strategy == "all_to_all" and world > 1:
+        shard_traffic += (world + 1) * B // world
+    if offload:
+        floor_s = max(engine / bw["d2d"], shard_traffic / (bw["h2d"] + bw["d2h"]))
+    else:
+        floor_s = (engine + shard_traffic) / bw["d2d"]
+    rep = gm.memory_report().as_dict()
+    gm.close()
+    pool.close()
+    return {"strategy": strategy, "offload": offload, "world": world, "micro_ms": steady,
+            "micro_ms_all": last, "host_ms_per_micro": statistics.median(host_ms[-1:]),
+            "bytes_per_micro": engine + shard_traffic, "floor_ms": floor_s * 1e3, "ratio": floor_s * 1e3 / steady,
+            "memory": rep}
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    return Tensor(t.allocation, t._offset, byte, (t.nbytes,), t.name)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="Qwen2.5-1.5B", help="preset name or config.json")
+    p.add_argument("--backend", choices=("cuda", "host"), default="cuda")
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--micro-steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--strategies", default="all", help="comma list of strategy[+offload], or all")
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_manager.json"))
+    args = p.parse_args()
+    layout = lg.llama_layout(args.config)
+    dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
+    bw = ceilings(dev)
+    print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
+          f"world {args.world}, {args.backend}; copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
+          f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")
+    wanted = None if args.strategies == "all" else set(args.strategies.split(","))
+    results = []
+    for strategy, offload in RUNS:
+        label = strategy + ("+offload" if offload else "")
+        if wanted is not None and label not in wanted:
+            continue
+        try:
+            out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
+                                                              args.steps, bw), backend=args.backend)
+            results.append(out[0])
+        except Exception as exc:  # report and continue with the next strategy
+            print(f"{label}: FAILED {type(exc).__name__}: {exc}")
+    print(f"{'strategy':<24}{'ms/micro':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'GB/micro':>10}"
+          f"{'device MiB':>12}{'pinned MiB':>12}")
+    for r in results:
+        label = r["strategy"] + ("+offload" if r["offload"] else "")
+        dev_mib = sum(r["memory"].get("device", {}).values()) / 2**20
+        pin_mib = sum(r["memory"].get("pinned", {}).values()) / 2**20
+        print(f"{label:<24}{r['micro_ms']:>10.3f}{r['floor_ms']:>10.3f}{r['ratio']:>8.3f}"
+              f"{r['host_ms_per_micro']:>9.3f}{r['bytes_per_micro'] / 1e9:>10.2f}{dev_mib:>12.0f}{pin_mib:>12.0f}")
+    print("target: scatter_reduce at world 1 >= 0.90 of the floor")
+    with open(args.json, "w") as f:
+        json.dump({"config": args.config, "world": args.world, "ceilings": bw, "results": results,
+                   "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
