@@ -50,9 +50,8 @@ class DeviceBase(ABC):
         ptr, free, host = self._raw_alloc(a.kind, nbytes)
         a.bind(ptr, free, host)
 
-    def kernel_accessible(self, kind: str) -> bool:
-        """Whether this backend's kernels can read and write memory of ``kind``."""
-        return True
+    #: memory kinds this backend's kernels can read and write
+    kernel_kinds: frozenset[str] = frozenset(("device", "pinned", "write_combined", "host"))
 
     def memory_report(self) -> MemoryReport:
         """Live bytes by allocation name and kind on this device."""

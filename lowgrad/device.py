@@ -144,8 +144,7 @@ class Device(DeviceBase):
         return self._kernels
 
     # ---- memory ------------------------------------------------------------------------
-    def kernel_accessible(self, kind: str) -> bool:
-        return kind != "host"  # pageable host memory is not mapped into the GPU
+    kernel_kinds = frozenset(("device", "pinned", "write_combined"))  # pageable host memory is not mapped
 
     def memory_limit(self, kind: str) -> int:
         return self.total_memory if kind == "device" else _HOST_LIMIT

@@ -1,5 +1,10 @@
 """The CUDA backend's kernels: modules loaded from NVRTC cubins, and a launch path that packs
-arguments into a buffer made once per kernel (no per-call allocation beyond the binding's)."""
+arguments into a buffer made once per kernel.
+
+The launch itself calls the driver's ``cuLaunchKernel`` through ctypes on the libcuda that
+cuda.bindings already loaded (about 1 µs a call, against about 5 µs through the binding's
+generic argument conversion); everything else goes through cuda.bindings.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -8,60 +13,73 @@ import threading
 from typing import Any
 
 from . import _cuda
-from .compiler import compile_kernels
-from .dtypes import DType, fp64
+from .compiler import (FILL_ZERO, PHILOX_KAT, KernelSpec, add_sr_spec, compile_kernels, norm_squared_specs,
+                       reduce_sr_spec)
+from .dtypes import DType
 from .tensor import Tensor
 
-BLOCK = 256  # threads per block of the elementwise kernels
 ELEMS_PER_THREAD = 8  # one Philox call covers 8 consecutive elements
+GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
 NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
 
-_TAG = {"fp32": "f32", "bf16": "bf16"}
 _FMT = {ctypes.c_uint64: "Q", ctypes.c_int64: "q", ctypes.c_uint32: "I", ctypes.c_int32: "i",
         ctypes.c_float: "f", ctypes.c_double: "d"}
+_c_launch: Any = None
+
+
+def _driver_launch() -> Any:
+    """libcuda's cuLaunchKernel as a typed ctypes function (the library is already loaded)."""
+    global _c_launch
+    if _c_launch is None:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        u = ctypes.c_uint
+        f.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _c_launch = f
+    return _c_launch
 
 
 class Kernel:
-    """One ``extern "C"`` entry point with its argument buffer packed in place per launch.
+    """One ``extern "C"`` entry point with its argument buffer, packed in place per launch.
 
-    ``launch(grid, stream, *args)`` writes ``args`` into the buffer (struct.pack_into, one C
-    call) and calls ``cuLaunchKernel`` with the prebuilt pointer array; a lock keeps concurrent
-    launches from different threads from sharing the buffer mid-call.
+    ``launch(grid, stream, *args)`` writes ``args`` into the buffer (one ``pack_into`` call) and
+    launches with the prebuilt pointer array; a lock keeps launches from different threads from
+    sharing the buffer mid-call (the driver copies the arguments during the call).
     """
 
     __slots__ = ("name", "func", "block", "_pack", "_buf", "_ptrs", "_params", "_lock", "_launch")
 
-    def __init__(self, name: str, func: Any, argtypes: tuple[Any, ...], block: int = BLOCK) -> None:
-        self.name, self.func, self.block = name, func, block
-        offsets, off = [], 0
-        for t in argtypes:
+    def __init__(self, spec: KernelSpec, func: Any) -> None:
+        self.name, self.func, self.block = spec.symbol, int(func), spec.block
+        fmt, off = "=", 0
+        offsets = []
+        for t in spec.args:
             size = ctypes.sizeof(t)
-            off = (off + size - 1) // size * size
+            pad = (-off) % size
+            fmt += "x" * pad + _FMT[t]
+            off += pad
             offsets.append(off)
             off += size
-        fmt = "="
-        pos = 0
-        for t, o in zip(argtypes, offsets):
-            fmt += "x" * (o - pos) + _FMT[t]
-            pos = o + ctypes.sizeof(t)
         self._pack = struct.Struct(fmt).pack_into
         self._buf = (ctypes.c_char * max(off, 8))()
         base = ctypes.addressof(self._buf)
-        self._ptrs = (ctypes.c_void_p * len(argtypes))(*[base + o for o in offsets])
+        self._ptrs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self._params = ctypes.addressof(self._ptrs)
         self._lock = threading.Lock()
-        self._launch = _cuda.driver().cuLaunchKernel
+        self._launch = _driver_launch()
 
     def launch(self, grid: int, stream: int, *args: Any) -> None:
+        """Queue one launch of ``grid`` blocks on raw stream ``stream`` (asynchronous)."""
         with self._lock:
             self._pack(self._buf, 0, *args)
-            err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, 0)[0]
+            err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
         if err:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
 
 
 class CudaKernels:
-    """Every lowgrad kernel on one device; modules load at construction, functions at first use."""
+    """Every lowgrad kernel on one device; modules load at construction, functions at first use.
+    Arguments arrive checked by :mod:`lowgrad.ops`."""
 
     def __init__(self, device: Any) -> None:
         drv = _cuda.driver()
@@ -69,66 +87,67 @@ class CudaKernels:
         self.device = device
         self._modules = {name: _cuda.check("cuModuleLoadData", drv.cuModuleLoadData(cubin))
                          for name, cubin in compile_kernels(device.arch).items()}
-        self._kernels: dict[str, Kernel] = {}
+        self._kernels: dict[Any, Kernel] = {}
         self._workspaces: dict[tuple[int, DType], Tensor] = {}
         self._lock = threading.Lock()
-        self.max_grid = device.sm_count * 16
+        self.max_grid = device.sm_count * GRID_PER_SM
 
-    def kernel(self, module: str, symbol: str, argtypes: tuple[Any, ...], block: int = BLOCK) -> Kernel:
-        """The cached :class:`Kernel` for ``symbol`` in ``module``."""
-        k = self._kernels.get(symbol)
+    def kernel(self, spec: KernelSpec) -> Kernel:
+        """The cached :class:`Kernel` for ``spec``."""
+        k = self._kernels.get(spec.symbol)
         if k is None:
             with self._lock:
-                k = self._kernels.get(symbol)
+                k = self._kernels.get(spec.symbol)
                 if k is None:
-                    func = _cuda.check(f"cuModuleGetFunction({symbol})",
-                                       _cuda.driver().cuModuleGetFunction(self._modules[module], symbol.encode()))
-                    k = self._kernels[symbol] = Kernel(symbol, func, argtypes, block)
+                    func = _cuda.check(f"cuModuleGetFunction({spec.symbol})", _cuda.driver().cuModuleGetFunction(
+                        self._modules[spec.module], spec.symbol.encode()))
+                    k = self._kernels[spec.symbol] = Kernel(spec, func)
+        return k
+
+    def _by_dtypes(self, key: tuple[Any, ...]) -> Kernel:
+        k = self._kernels.get(key)
+        if k is None:
+            spec = add_sr_spec(*key[1:]) if key[0] == "add_sr" else reduce_sr_spec(*key[1:])
+            k = self._kernels[key] = self.kernel(spec)
         return k
 
     def grid(self, n: int) -> int:
-        """Blocks for ``n`` elements at 8 per thread, capped for the grid-stride loop."""
-        return max(1, min(-(-n // (BLOCK * ELEMS_PER_THREAD)), self.max_grid))
+        """Blocks for ``n`` elements at 8 per thread and 256 per block, capped for the grid-stride loop."""
+        g = (n + 2047) >> 11
+        return g if g < self.max_grid else self.max_grid
 
-    # ---- the kernels (arguments checked by lowgrad.ops) --------------------------------
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
         n = dst.numel
-        if not n:
-            return
-        sym = f"add_sr_{_TAG[dst.dtype.name]}_{_TAG[a.dtype.name]}_{_TAG[b.dtype.name]}"
-        k = self.kernel("add_sr", sym, _ADD_SR_ARGS)
-        k.launch(self.grid(n), stream, dst.ptr, a.ptr, b.ptr, scale, seed, index_offset, n)
+        k = self._kernels.get(("add_sr", dst.dtype, a.dtype, b.dtype)) or \
+            self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
+        p, pa, pb = dst.ptr, a.ptr, b.ptr
+        if n:
+            k.launch(self.grid(n), stream, p, pa, pb, scale, seed, index_offset, n)
 
     def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                   seed: int, index_offset: int, stream: int) -> None:
         n = dst.numel
-        if not n:
-            return
-        sym = f"reduce_sr_{_TAG[dst.dtype.name]}_{_TAG[src.dtype.name]}"
-        k = self.kernel("reduce_sr", sym, _REDUCE_SR_ARGS)
-        k.launch(self.grid(n), stream, dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), seed,
-                 index_offset, n)
+        k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
+        p, ps = dst.ptr, src.ptr
+        if n:
+            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if dst.nbytes:
-            k = self.kernel("fill_zero", "fill_zero_u8", _FILL_ARGS)
-            k.launch(self.grid(max(1, dst.nbytes // 2)), stream, dst.ptr, dst.nbytes)
+            self.kernel(FILL_ZERO).launch(self.grid(max(1, dst.nbytes // 2)), stream, dst.ptr, dst.nbytes)
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
-        acc = "f64" if out.dtype is fp64 else "f32"
+        stage1, stage2 = (self.kernel(s) for s in norm_squared_specs(x.dtype, out.dtype))
         ws = self._workspace(stream, out.dtype)
-        grid = max(1, min(-(-x.numel // (BLOCK * ELEMS_PER_THREAD)), NORM_PARTIALS))
-        stage1 = self.kernel("norm_squared", f"norm_squared_{_TAG[x.dtype.name]}_{acc}", _NORM_ARGS)
-        stage2 = self.kernel("norm_squared", f"norm_squared_finish_{acc}", _NORM_FINISH_ARGS)
-        if x.numel:
+        grid = min((x.numel + 2047) >> 11, NORM_PARTIALS)
+        if grid:
             stage1.launch(grid, stream, x.ptr, x.numel, ws.ptr)
-        else:
-            grid = 0
         stage2.launch(1, stream, ws.ptr, grid, out.ptr, int(accumulate))
 
     def _workspace(self, stream: int, dtype: DType) -> Tensor:
-        """Per-stream partial sums, so norms on different streams never share scratch memory."""
+        """Partial sums per stream handle (NORM_PARTIALS elements, 8 KiB at most), so norms on
+        different streams never share scratch memory; kept for the device's lifetime."""
         key = (stream, dtype)
         ws = self._workspaces.get(key)
         if ws is None:
@@ -136,17 +155,10 @@ class CudaKernels:
         return ws
 
     def philox(self, ctr: Tensor, key: Tensor, out: Tensor, stream: int = 0) -> None:
-        """Philox4x32-10 of ``ctr`` ((n, 4) uint32 as byte tensors) with ``key`` ((n, 2)) into ``out``."""
+        """Philox4x32-10 of ``ctr`` (n x 4 uint32) with ``key`` (n x 2 uint32) into ``out`` (n x 4)."""
         n = out.nbytes // 16
-        self.kernel("philox_kat", "philox_kat", _PHILOX_ARGS).launch(self.grid(n * 8), stream, ctr.ptr, key.ptr,
-                                                                     out.ptr, n)
-
-
-_u64, _u32, _i32, _f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_float
-_ADD_SR_ARGS = (_u64, _u64, _u64, _f32, _u64, _u64, _u64)
-_REDUCE_SR_ARGS = (_u64, _u64, _u32, _i32, _f32, _i32, _u64, _u64, _u64)
-_FILL_ARGS = (_u64, _u64)
-_NORM_ARGS = (_u64, _u64, _u64)
-_NORM_FINISH_ARGS = (_u64, _u32, _u64, _i32)
-_PHILOX_ARGS = (_u64, _u64, _u64, _u64)
-__all__ = ["CudaKernels", "Kernel"]
+        if ctr.nbytes != 16 * n or key.nbytes != 8 * n or out.nbytes != 16 * n:
+            raise ValueError(f"philox: ctr ({ctr.nbytes} B), key ({key.nbytes} B) and out ({out.nbytes} B) "
+                             "must hold n x 16, n x 8 and n x 16 bytes")
+        if n:
+            self.kernel(PHILOX_KAT).launch(self.grid(n * 8), stream, ctr.ptr, key.ptr, out.ptr, n)

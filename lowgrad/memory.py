@@ -127,13 +127,13 @@ class Allocation:
     @property
     def ptr(self) -> int:
         p = self._ptr
-        if p is None or not self._finalizer.alive:  # type: ignore[union-attr]
+        if p is None:
             raise ClosedError(self._state_message())
         return p
 
     @property
     def closed(self) -> bool:
-        return self._finalizer is not None and not self._finalizer.alive
+        return self._finalizer is not None and self._ptr is None
 
     def host_bytes(self) -> np.ndarray:
         """A writable uint8 numpy view of the whole block (host-visible kinds only)."""
@@ -146,11 +146,11 @@ class Allocation:
         """Free the block now; idempotent."""
         if self._finalizer is not None:
             self._finalizer()
-            self._host = None
+            self._ptr = self._host = None
 
     def _state_message(self) -> str:
         names = ", ".join(self.parts) or "?"
-        if self._ptr is None:
+        if self._finalizer is None:
             return f"tensor {names!r} used before its lazy allocator was committed"
         return f"tensor {names!r} used after its memory was freed (close())"
 

@@ -17,6 +17,7 @@ from .tensor import Tensor
 SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
 NORM_OUT_DTYPES = (fp32, fp64)
 _U64 = 1 << 64
+_INF = math.inf
 
 
 def _tensor(t: Any, what: str) -> Tensor:
@@ -41,7 +42,7 @@ def _same_device(ref: Tensor, *others: tuple[Tensor, str]) -> Any:
 
 def _kernel_memory(dev: Any, *ts: tuple[Tensor, str]) -> None:
     for t, what in ts:
-        if not dev.kernel_accessible(t.kind):
+        if t.kind not in dev.kernel_kinds:
             raise ValueError(f"{what} {t.name!r} is in {t.kind} memory, which kernels on {dev!r} cannot access "
                              "(use device or pinned memory)")
 
@@ -76,21 +77,34 @@ def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0,
 
     fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not overlap
     ``b`` or partially overlap ``a``. The noise of element ``i`` uses index ``index_offset + i``.
+    The common case is checked inline (this is the launch hot path); anything unusual goes
+    through the descriptive checks.
     """
-    h = stream_handle(stream)
-    _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
-    for t, what in ((dst, "dst"), (a, "a"), (b, "b")):
-        _dtype_in(t, what, SR_DTYPES)
-    dev = _same_device(dst, (a, "a"), (b, "b"))
-    if not (dst.numel == a.numel == b.numel):
-        raise ValueError(f"add_sr size mismatch: dst {dst.shape}, a {a.shape}, b {b.shape}")
-    if _overlap(dst, b):
+    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+    if type(dst) is not Tensor or type(a) is not Tensor or type(b) is not Tensor:
+        _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
+    ad, aa, ab = dst._alloc, a._alloc, b._alloc
+    dev = ad.device
+    n = dst.numel
+    kinds = dev.kernel_kinds
+    if (dst.dtype not in SR_DTYPES or a.dtype not in SR_DTYPES or b.dtype not in SR_DTYPES
+            or aa.device is not dev or ab.device is not dev or a.numel != n or b.numel != n
+            or ad.kind not in kinds or aa.kind not in kinds or ab.kind not in kinds):
+        for t, what in ((dst, "dst"), (a, "a"), (b, "b")):
+            _dtype_in(t, what, SR_DTYPES)
+        _same_device(dst, (a, "a"), (b, "b"))
+        if not (dst.numel == a.numel == b.numel):
+            raise ValueError(f"add_sr size mismatch: dst {dst.shape}, a {a.shape}, b {b.shape}")
+        _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
+    if ad is ab and _overlap(dst, b):
         raise ValueError(f"add_sr: dst {dst.name!r} may not overlap b {b.name!r}")
-    if _overlap(dst, a) and (dst.ptr != a.ptr or dst.dtype is not a.dtype):
+    if ad is aa and _overlap(dst, a) and (dst._offset != a._offset or dst.dtype is not a.dtype):
         raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
-    _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
-    seed, index_offset = check_seed(seed, index_offset)
-    dev.kernels.add_sr(dst, a, b, check_scale(scale), seed, index_offset, h)
+    if type(seed) is not int or type(index_offset) is not int or not (0 <= seed < _U64 and 0 <= index_offset < _U64):
+        seed, index_offset = check_seed(seed, index_offset)
+    if type(scale) is not float or not -_INF < scale < _INF:
+        scale = check_scale(scale)
+    dev.kernels.add_sr(dst, a, b, scale, seed, index_offset, h)
 
 
 def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
@@ -100,7 +114,7 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
     ``src`` holds ``n_shards`` consecutive blocks, each of ``dst.numel`` elements; ``skip`` is a
     block index or -1. Sums run in float32 in block order starting from +0.0.
     """
-    h = stream_handle(stream)
+    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
     _tensor(dst, "dst"), _tensor(src, "src")
     _dtype_in(dst, "dst", SR_DTYPES), _dtype_in(src, "src", SR_DTYPES)
     dev = _same_device(dst, (src, "src"))
@@ -149,4 +163,5 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     if _overlap(x, out):
         raise ValueError("norm_squared: out may not overlap x")
     _kernel_memory(dev, (x, "x"), (out, "out"))
+    x.ptr, out.ptr  # raise on closed tensors before anything is queued
     dev.kernels.norm_squared(x, out, bool(accumulate), h)

@@ -95,6 +95,7 @@ class Stream:
     def wait(self, event: Event) -> None:
         """Make future work on this stream wait for ``event`` (no host sync)."""
         self._live()
+        event._live()
         _cuda.check("cuStreamWaitEvent", _cuda.driver().cuStreamWaitEvent(self._cu, event._cu, 0))
 
     def close(self) -> None:
@@ -124,28 +125,37 @@ def _destroy_stream(drv: Any, cu: Any) -> None:
 class Event:
     """A CUDA event. ``timing=True`` enables :meth:`elapsed_ms`; ``name`` labels it in traces."""
 
-    __slots__ = ("device", "name", "timing", "_cu", "_finalizer", "__weakref__")
+    __slots__ = ("device", "name", "timing", "_cu", "_finalizer", "_closed", "__weakref__")
 
     def __init__(self, device: Device, timing: bool = False, name: str = "") -> None:
         drv = _cuda.driver()
         device.activate()
         flags = 0 if timing else _CU_EVENT_DISABLE_TIMING
         self._cu = _cuda.check("cuEventCreate", drv.cuEventCreate(flags))
-        self.device, self.name, self.timing = device, name, timing
+        self.device, self.name, self.timing, self._closed = device, name, timing, False
         self._finalizer = weakref.finalize(self, _destroy_event, drv, self._cu)
+
+    def _live(self) -> None:
+        if self._closed:
+            raise ClosedError(f"event {self.name!r} used after close()")
 
     def record(self, stream: StreamLike = None) -> Event:
         """Record this event on ``stream`` (asynchronous); returns self."""
+        if self._closed:
+            self._live()
         _cuda.check("cuEventRecord", _cuda.driver().cuEventRecord(self._cu, stream_handle(stream)))
         return self
 
     def wait(self, stream: StreamLike = None) -> None:
         """Make ``stream`` wait for this event (no host sync)."""
+        if self._closed:
+            self._live()
         _cuda.check("cuStreamWaitEvent",
                     _cuda.driver().cuStreamWaitEvent(stream_handle(stream), self._cu, 0))
 
     def query(self) -> bool:
         """True when the work captured by the last record has completed."""
+        self._live()
         (err,) = _cuda.driver().cuEventQuery(self._cu)
         if int(err) == _CUDA_ERROR_NOT_READY:
             return False
@@ -154,15 +164,19 @@ class Event:
 
     def synchronize(self) -> None:
         """Block the host until the recorded work is complete."""
+        self._live()
         _cuda.check("cuEventSynchronize", _cuda.driver().cuEventSynchronize(self._cu))
 
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to ``end`` (both recorded with timing=True)."""
         if not (self.timing and end.timing):
             raise ValueError("elapsed_ms needs two events created with timing=True")
+        self._live(), end._live()
         return float(_cuda.check("cuEventElapsedTime", _cuda.driver().cuEventElapsedTime(self._cu, end._cu)))
 
     def close(self) -> None:
+        """Destroy the event; later use raises ClosedError."""
+        self._closed = True
         self._finalizer()
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import dlpack
 from .dtypes import DType, as_dtype
+from .errors import ClosedError
 from .memory import HOST_VISIBLE, Allocation
 
 
@@ -50,7 +51,10 @@ class Tensor:
     @property
     def ptr(self) -> int:
         """Device-visible address of element 0 (raises after close)."""
-        return self._alloc.ptr + self._offset
+        p = self._alloc._ptr
+        if p is None:
+            raise ClosedError(self._alloc._state_message())
+        return p + self._offset
 
     @property
     def device(self) -> Any:

@@ -1,0 +1,173 @@
+// Element types, float conversions, stochastic rounding and the grid-stride driver shared by the
+// elementwise kernels. bf16 values are bit patterns converted with integer arithmetic.
+#pragma once
+#include "philox.cuh"
+
+struct bf16_t {  // a bf16 value as its bit pattern
+  u16 bits;
+};
+
+__device__ constexpr bool rounds_sr(float*) { return false; }  // stored exactly
+__device__ constexpr bool rounds_sr(bf16_t*) { return true; }  // stored with SR
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16_t x) { return __uint_as_float((u32)x.bits << 16); }
+
+// bf16 bits of v rounded stochastically with the 16-bit noise r: the top half of u + r.
+// NaN stays a (quiet) NaN with its sign; Inf stays Inf; overflow past the largest bf16 gives Inf.
+__device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r) {
+  const u32 u = __float_as_uint(v);
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : (u + r) >> 16;
+}
+
+// v as a T with the 16-bit noise r: exact for fp32, SR for bf16.
+template <typename T> __device__ __forceinline__ T round_as(float v, u32 r);
+template <> __device__ __forceinline__ float round_as<float>(float v, u32) { return v; }
+template <> __device__ __forceinline__ bf16_t round_as<bf16_t>(float v, u32 r) { return bf16_t{(u16)bf16_sr_bits(v, r)}; }
+
+// ---- noise -----------------------------------------------------------------------------------
+__device__ __forceinline__ uint2 sr_key(u64 seed) { return make_uint2((u32)seed, (u32)(seed >> 32)); }
+
+__device__ __forceinline__ uint4 sr_words(uint2 key, u64 g) {
+  return philox4x32_10(make_uint4((u32)g, (u32)(g >> 32), 0u, 0u), key);
+}
+
+__device__ __forceinline__ u32 sel4(u32 h, u32 a, u32 b, u32 c, u32 d) {
+  return h < 2u ? (h ? b : a) : (h == 2u ? c : d);
+}
+
+// Noise of the 8 elements with indices first..first+7, packed like one Philox output: element k
+// is the low half of word k/2 for even k, the high half for odd k. When first % 8 != 0 the 8
+// elements straddle two Philox groups: the 16 halves of both are shifted by first % 8.
+__device__ __forceinline__ uint4 sr_noise8(uint2 key, u64 first) {
+  const u64 g = first >> 3;
+  const u32 s = (u32)first & 7u;
+  const uint4 w0 = sr_words(key, g);
+  if (s == 0u) return w0;
+  const uint4 w1 = sr_words(key, g + 1);
+  const u32 h = s >> 1, sh = (s & 1u) * 16u;
+  const u32 x0 = sel4(h, w0.x, w0.y, w0.z, w0.w), x1 = sel4(h, w0.y, w0.z, w0.w, w1.x);
+  const u32 x2 = sel4(h, w0.z, w0.w, w1.x, w1.y), x3 = sel4(h, w0.w, w1.x, w1.y, w1.z);
+  const u32 x4 = sel4(h, w1.x, w1.y, w1.z, w1.w);
+  return make_uint4(__funnelshift_r(x0, x1, sh), __funnelshift_r(x1, x2, sh), __funnelshift_r(x2, x3, sh),
+                    __funnelshift_r(x3, x4, sh));
+}
+
+// Noise for a group stored as D: none (and no Philox work) for fp32.
+template <typename D> __device__ __forceinline__ uint4 group_noise(uint2 key, u64 first) {
+  if constexpr (rounds_sr((D*)nullptr)) return sr_noise8(key, first);
+  else return make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ u32 noise_half(uint4 r, int k) {
+  const u32 w = k < 2 ? r.x : k < 4 ? r.y : k < 6 ? r.z : r.w;
+  return (k & 1) ? w >> 16 : w & 0xffffu;
+}
+
+// ---- groups of 8 elements in registers ---------------------------------------------------------
+__device__ __forceinline__ void unpack_bf16x2(u32 w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// 8 elements of T as loaded, before conversion (16 bytes of registers for bf16, 32 for fp32), so
+// that many loads can be in flight without holding converted floats.
+template <typename T> struct Raw8;
+template <> struct Raw8<bf16_t> { uint4 q; };
+template <> struct Raw8<float> { float4 lo, hi; };
+
+// VEC: 8 elements from a 16-byte aligned address with 16-byte loads; else the first `count`
+// elements one by one, the rest 0.
+template <bool VEC> __device__ __forceinline__ Raw8<bf16_t> load_raw8(const bf16_t* p, u32 count) {
+  if constexpr (VEC) {
+    return {*reinterpret_cast<const uint4*>(p)};
+  } else {
+    u32 h[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[k] = (u32)k < count ? (u32)p[k].bits : 0u;
+    return {make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16)};
+  }
+}
+template <bool VEC> __device__ __forceinline__ Raw8<float> load_raw8(const float* p, u32 count) {
+  if constexpr (VEC) {
+    return {reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1]};
+  } else {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = (u32)k < count ? p[k] : 0.0f;
+    return {make_float4(v[0], v[1], v[2], v[3]), make_float4(v[4], v[5], v[6], v[7])};
+  }
+}
+
+__device__ __forceinline__ void to_f32x8(const Raw8<bf16_t>& r, float (&v)[8]) {
+  unpack_bf16x2(r.q.x, v[0], v[1]); unpack_bf16x2(r.q.y, v[2], v[3]);
+  unpack_bf16x2(r.q.z, v[4], v[5]); unpack_bf16x2(r.q.w, v[6], v[7]);
+}
+__device__ __forceinline__ void to_f32x8(const Raw8<float>& r, float (&v)[8]) {
+  v[0] = r.lo.x; v[1] = r.lo.y; v[2] = r.lo.z; v[3] = r.lo.w;
+  v[4] = r.hi.x; v[5] = r.hi.y; v[6] = r.hi.z; v[7] = r.hi.w;
+}
+
+// load_raw8, converted to float.
+template <bool VEC, typename T> __device__ __forceinline__ void load8(const T* p, u32 count, float (&v)[8]) {
+  to_f32x8(load_raw8<VEC>(p, count), v);
+}
+
+__device__ __forceinline__ u32 pack_bf16x2_sr(float lo, float hi, u32 r) {
+  return bf16_sr_bits(lo, r & 0xffffu) | (bf16_sr_bits(hi, r >> 16) << 16);
+}
+
+__device__ __forceinline__ void store8_vec(float* p, const float (&v)[8], uint4) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8_vec(bf16_t* p, const float (&v)[8], uint4 r) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2_sr(v[0], v[1], r.x), pack_bf16x2_sr(v[2], v[3], r.y),
+                                            pack_bf16x2_sr(v[4], v[5], r.z), pack_bf16x2_sr(v[6], v[7], r.w));
+}
+
+// Round the group with noise r (see sr_noise8) and store it: VEC as one 16-byte aligned group,
+// else the first `count` elements one by one.
+template <bool VEC, typename T>
+__device__ __forceinline__ void store8(T* p, u32 count, const float (&v)[8], uint4 r) {
+  if constexpr (VEC) {
+    store8_vec(p, v, r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if ((u32)k < count) p[k] = round_as<T>(v[k], noise_half(r, k));
+  }
+}
+
+__device__ __forceinline__ bool aligned16(u64 bits) { return (bits & 15u) == 0; }
+
+// Grid-stride loop over the groups of 8 consecutive elements of [0, n). `f.run<U, VEC>(e, count)`
+// handles U groups starting at elements e[0..U): VEC (all pointers 16-byte aligned, checked by the
+// caller) with full groups, U at a time for several independent loads in flight; else one group
+// with `count` valid elements. The partial tail group goes to thread 0.
+template <int U, typename F> __device__ __forceinline__ void for_each_group(F& f, u64 n, bool vec) {
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+  const u64 full = n >> 3;
+  u64 q = tid;
+  if (vec) {
+    for (; q + (U - 1) * stride < full; q += U * stride) {
+      u64 e[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) e[u] = 8 * (q + u * stride);
+      f.template run<U, true>(e, 8u);
+    }
+    for (; q < full; q += stride) {
+      const u64 e[1] = {8 * q};
+      f.template run<1, true>(e, 8u);
+    }
+  } else {
+    for (; q < full; q += stride) {
+      const u64 e[1] = {8 * q};
+      f.template run<1, false>(e, 8u);
+    }
+  }
+  if (tid == 0 && (n & 7u)) {
+    const u64 e[1] = {8 * full};
+    f.template run<1, false>(e, (u32)(n & 7u));
+  }
+}
