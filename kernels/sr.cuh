@@ -10,9 +10,6 @@ struct bf16_t {  // a bf16 value as its bit pattern
 __device__ constexpr bool rounds_sr(float*) { return false; }  // stored exactly
 __device__ constexpr bool rounds_sr(bf16_t*) { return true; }  // stored with SR
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(bf16_t x) { return __uint_as_float((u32)x.bits << 16); }
-
 // bf16 bits of v rounded stochastically with the 16-bit noise r: the top half of u + r.
 // NaN stays a (quiet) NaN with its sign; Inf stays Inf; overflow past the largest bf16 gives Inf.
 __device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r) {

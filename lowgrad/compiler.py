@@ -177,12 +177,12 @@ def _compile(source: bytes, name: str, headers: Mapping[str, bytes], opts: Seque
     try:
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         size = _check("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
-        buf = b" " * size
+        buf = bytes(size)  # a fresh buffer: b" " * 1 is a shared interned object
         _check("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, buf))
         log = buf.rstrip(b"\0").decode(errors="replace")
         _check(f"nvrtcCompileProgram({name})", status, log)
         kind = "PTX" if ptx else "CUBIN"
-        out = b" " * _check(f"nvrtcGet{kind}Size", getattr(nvrtc, f"nvrtcGet{kind}Size")(prog))
+        out = bytes(_check(f"nvrtcGet{kind}Size", getattr(nvrtc, f"nvrtcGet{kind}Size")(prog)))
         _check(f"nvrtcGet{kind}", getattr(nvrtc, f"nvrtcGet{kind}")(prog, out))
         return out, log
     finally:

@@ -162,16 +162,21 @@ class _Bar:
     """A one-line progress bar on stderr."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
+        self.total, self.done, self.tty = total, 0, sys.stderr.isatty()
 
     def tick(self, label: str) -> None:
         self.done += 1
         n = 30 * self.done // self.total
-        sys.stderr.write(f"\r[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {label:<40}")
+        line = f"[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {label:<40}"
+        if self.tty:
+            sys.stderr.write("\r" + line)
+        elif self.done == self.total or n != 30 * (self.done - 1) // self.total:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
+        if self.tty:
+            sys.stderr.write("\n")
 
 
 def _bytes_per_micro(layout: Layout, strategy: str, world: int, first: bool) -> int:
@@ -271,7 +276,7 @@ def _print(results: list[Result]) -> None:
         dev = sum(r.memory.get("device", {}).values()) / 2**20
         pin = sum(r.memory.get("pinned", {}).values()) / 2**20
         print(f"{r.strategy:<16}{'yes' if r.offload else 'no':>8}{dev:>12.1f}{pin:>12.1f}{r.ms_per_micro:>10.3f}"
-              f"{r.floor_ratio:>12.2f}{r.max_ulps:>10.2f}{r.mean_ulps:>10.3f}{r.bias_ulps:>+11.4f}")
+              f"{r.floor_ratio:>12.3g}{r.max_ulps:>10.2f}{r.mean_ulps:>10.3f}{r.bias_ulps:>+11.4f}")
     print("memory by name (rank 0, MiB):")
     for r in results:
         parts = ", ".join(f"{name}[{kind}] {n / 2**20:.1f}" for kind, d in r.memory.items() for name, n in d.items()
