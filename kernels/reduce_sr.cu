@@ -9,7 +9,7 @@ enum { REDUCE_UNROLL = 2, REDUCE_MIN_BLOCKS = 2 };
 enum : u32 { SHARD_BYTES = 128 };
 
 template <typename D, typename S> struct ReduceSr {
-  static constexpr u32 CHUNK = SHARD_BYTES / (8 * sizeof(S));  // shards whose loads are issued together
+  enum : u32 { CHUNK = SHARD_BYTES / (8 * sizeof(S)) };  // shards whose loads are issued together
   D* __restrict__ dst;
   const S* __restrict__ src;
   u32 active;  // shards summed: n_shards less the skipped one
