@@ -155,6 +155,26 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+@functools.lru_cache(maxsize=None)
+def nvrtc_identity() -> str:
+    """What the cache key records of NVRTC, found without loading it (a warm start must not pay
+    NVRTC's load): the NVRTC library of the wheel that cuda.bindings loads first (its path, size
+    and modification time), else the version NVRTC reports."""
+    try:
+        import cuda.bindings
+        import nvidia  # namespace package of the NVIDIA wheels
+        major = cuda.bindings.__version__.split(".")[0]
+        roots = [Path(p) for p in nvidia.__path__]
+    except (ImportError, AttributeError):
+        roots, major = [], ""
+    for root in roots:
+        for lib in sorted(root.glob(f"*/lib/libnvrtc.so.{major}*")) + sorted(root.glob(f"*/*/lib/libnvrtc.so.{major}*")):
+            if "builtins" not in lib.name and ".alt." not in lib.name:
+                st = lib.resolve().stat()
+                return f"{lib.resolve()} {st.st_size} {st.st_mtime_ns}"
+    return "nvrtc %d.%d" % nvrtc_version()
+
+
 def options(arch: str) -> list[str]:
     """The NVRTC options used for a cubin for ``arch`` ("sm_80", "sm_90", "sm_90a", ...)."""
     if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
@@ -205,7 +225,7 @@ def _job(source: str | bytes, name: str, arch: str, headers: Mapping[str, str | 
     hdrs = {k: _as_bytes(v) for k, v in sorted((headers or {}).items())}
     opts = (*options(arch), *extra_options)
     h = hashlib.sha256(_MAGIC)
-    version = ("nvrtc %d.%d" % nvrtc_version()).encode()
+    version = nvrtc_identity().encode()
     for part in (name.encode(), src, *(p for k, v in hdrs.items() for p in (k.encode(), v)), *map(str.encode, opts),
                  version):
         h.update(len(part).to_bytes(8, "little"))

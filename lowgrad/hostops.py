@@ -1,6 +1,8 @@
 """The host backend's kernels: the numpy reference applied in place to host tensors (eager)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import reference
@@ -19,6 +21,15 @@ class HostKernels:
                   seed: int, index_offset: int, stream: int) -> None:
         d = dst.numpy().reshape(-1)
         d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, seed, index_offset)
+
+    def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
+                    ) -> Callable[[int, int], None]:
+        return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
+
+    def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                       index_offset: int) -> Callable[[int, int], None]:
+        return lambda seed, stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, seed, index_offset,
+                                                   stream)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0

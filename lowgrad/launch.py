@@ -10,12 +10,14 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import _cuda
 from .compiler import (FILL_ZERO, PHILOX_KAT, KernelSpec, add_sr_spec, compile_kernels, norm_squared_specs,
                        reduce_sr_spec)
 from .dtypes import DType
+from .errors import ClosedError
 from .tensor import Tensor
 
 ELEMS_PER_THREAD = 8  # one Philox call covers 8 consecutive elements
@@ -77,6 +79,12 @@ class Kernel:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
 
 
+def _check_open(allocs: tuple[Any, ...], name: str) -> None:
+    for a in allocs:
+        if a._ptr is None:
+            raise ClosedError(f"bound kernel on {name!r}: one of its tensors was closed")
+
+
 class CudaKernels:
     """Every lowgrad kernel on one device; modules load at construction, functions at first use.
     Arguments arrive checked by :mod:`lowgrad.ops`."""
@@ -132,6 +140,32 @@ class CudaKernels:
         p, ps = dst.ptr, src.ptr
         if n:
             k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n)
+
+    def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
+                    ) -> Callable[[int, int], None]:
+        """``f(seed, stream)``: this add_sr with its pointers, grid and constants fixed."""
+        k, n = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype)), dst.numel
+        grid, p, pa, pb, launch = self.grid(n), dst.ptr, a.ptr, b.ptr, k.launch
+        allocs = (dst._alloc, a._alloc, b._alloc)
+
+        def run(seed: int, stream: int) -> None:
+            _check_open(allocs, dst.name)
+            if n:
+                launch(grid, stream, p, pa, pb, scale, seed, index_offset, n)
+        return run
+
+    def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                       index_offset: int) -> Callable[[int, int], None]:
+        """``f(seed, stream)``: this reduce_sr with its pointers, grid and constants fixed."""
+        k, n = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype)), dst.numel
+        grid, p, ps, launch, acc = self.grid(n), dst.ptr, src.ptr, k.launch, int(accumulate)
+        allocs = (dst._alloc, src._alloc)
+
+        def run(seed: int, stream: int) -> None:
+            _check_open(allocs, dst.name)
+            if n:
+                launch(grid, stream, p, ps, n_shards, skip, scale, acc, seed, index_offset, n)
+        return run
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if dst.nbytes:

@@ -8,12 +8,14 @@ reference on the host backend, bit for bit the same results.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from .dtypes import DType, bf16, fp32, fp64
 from .stream import StreamLike, stream_handle
 from .tensor import Tensor
 
+Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once
 SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
 NORM_OUT_DTYPES = (fp32, fp64)
 _U64 = 1 << 64
@@ -71,16 +73,10 @@ def check_scale(scale: Any) -> float:
     return float(scale)
 
 
-def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0, index_offset: int = 0,
-           stream: StreamLike = None) -> None:
-    """``dst = SR(scale * (a + b))`` elementwise in float32, on ``stream``.
-
-    fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not overlap
-    ``b`` or partially overlap ``a``. The noise of element ``i`` uses index ``index_offset + i``.
-    The common case is checked inline (this is the launch hot path); anything unusual goes
-    through the descriptive checks.
-    """
-    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, index_offset: Any
+                  ) -> tuple[Any, float, int, int]:
+    """add_sr's checks (the common case inline: this is the launch hot path; anything unusual
+    goes through the descriptive checks). Returns (device, scale, seed, index_offset)."""
     if type(dst) is not Tensor or type(a) is not Tensor or type(b) is not Tensor:
         _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
     ad, aa, ab = dst._alloc, a._alloc, b._alloc
@@ -104,17 +100,33 @@ def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0,
         seed, index_offset = check_seed(seed, index_offset)
     if type(scale) is not float or not -_INF < scale < _INF:
         scale = check_scale(scale)
+    return dev, scale, seed, index_offset
+
+
+
+def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0, index_offset: int = 0,
+           stream: StreamLike = None) -> None:
+    """``dst = SR(scale * (a + b))`` elementwise in float32, on ``stream``.
+
+    fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not overlap
+    ``b`` or partially overlap ``a``. The noise of element ``i`` uses index ``index_offset + i``.
+    """
+    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+    dev, scale, seed, index_offset = _check_add_sr(dst, a, b, scale, seed, index_offset)
     dev.kernels.add_sr(dst, a, b, scale, seed, index_offset, h)
 
 
-def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
-              accumulate: bool = False, seed: int = 0, index_offset: int = 0, stream: StreamLike = None) -> None:
-    """``dst = SR(scale * ((dst if accumulate else 0) + sum_{k != skip} src[k]))`` on ``stream``.
+def bind_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, index_offset: int = 0) -> Bound:
+    """``add_sr`` with everything but the seed checked and packed once: the returned callable
+    ``f(seed, stream)`` queues ``dst = SR(scale * (a + b))`` with that seed on ``stream`` (an
+    int handle). It raises ClosedError once any of the tensors was closed."""
+    dev, scale, _, index_offset = _check_add_sr(dst, a, b, scale, 0, index_offset)
+    return dev.kernels.bind_add_sr(dst, a, b, scale, index_offset)
 
-    ``src`` holds ``n_shards`` consecutive blocks, each of ``dst.numel`` elements; ``skip`` is a
-    block index or -1. Sums run in float32 in block order starting from +0.0.
-    """
-    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+
+def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, seed: Any,
+                     index_offset: Any) -> tuple[Any, float, int, int]:
+    """reduce_sr's checks; returns (device, scale, seed, index_offset)."""
     _tensor(dst, "dst"), _tensor(src, "src")
     _dtype_in(dst, "dst", SR_DTYPES), _dtype_in(src, "src", SR_DTYPES)
     dev = _same_device(dst, (src, "src"))
@@ -129,7 +141,27 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
         raise ValueError(f"reduce_sr: dst {dst.name!r} may not overlap src {src.name!r}")
     _kernel_memory(dev, (dst, "dst"), (src, "src"))
     seed, index_offset = check_seed(seed, index_offset)
-    dev.kernels.reduce_sr(dst, src, n_shards, skip, check_scale(scale), bool(accumulate), seed, index_offset, h)
+    return dev, check_scale(scale), seed, index_offset
+
+
+def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
+              accumulate: bool = False, seed: int = 0, index_offset: int = 0, stream: StreamLike = None) -> None:
+    """``dst = SR(scale * ((dst if accumulate else 0) + sum_{k != skip} src[k]))`` on ``stream``.
+
+    ``src`` holds ``n_shards`` consecutive blocks, each of ``dst.numel`` elements; ``skip`` is a
+    block index or -1. Sums run in float32 in block order starting from +0.0.
+    """
+    h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+    dev, scale, seed, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, seed, index_offset)
+    dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, bool(accumulate), seed, index_offset, h)
+
+
+def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
+                   accumulate: bool = False, index_offset: int = 0) -> Bound:
+    """``reduce_sr`` checked and packed once; the returned ``f(seed, stream)`` queues it with
+    that seed on ``stream`` (an int handle)."""
+    dev, scale, _, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, 0, index_offset)
+    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, bool(accumulate), index_offset)
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:

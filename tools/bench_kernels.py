@@ -157,12 +157,34 @@ class Bench:
         d = a.view(0, m)
         h2d = m / (self.time_ms([lambda: lg.ops.copy(d, p, stream=self.s)], warmup=1) / 1e3)
         d2h = m / (self.time_ms([lambda: lg.ops.copy(p, d, stream=self.s)], warmup=1) / 1e3)
+        bidir = self.bidirectional(p, d)
         p.close()
         self.pinned_bw = h2d + d2h
         self.results["copy"] = {"d2d_bytes": n, "d2d_GBps": self.copy_bw / 1e9, "h2d_GBps": h2d / 1e9,
-                                "d2h_GBps": d2h / 1e9, "pinned_sum_GBps": self.pinned_bw / 1e9}
+                                "d2h_GBps": d2h / 1e9, "pinned_sum_GBps": self.pinned_bw / 1e9,
+                                "pinned_bidirectional_GBps": bidir / 1e9}
         print(f"copy bandwidth: D2D {self.copy_bw / 1e9:.1f} GB/s (read+write of 2 GiB), "
-              f"pinned H2D {h2d / 1e9:.1f} + D2H {d2h / 1e9:.1f} = {self.pinned_bw / 1e9:.1f} GB/s", flush=True)
+              f"pinned H2D {h2d / 1e9:.1f} + D2H {d2h / 1e9:.1f} = {self.pinned_bw / 1e9:.1f} GB/s; "
+              f"H2D and D2H at the same time (two streams, copy engines) {bidir / 1e9:.1f} GB/s", flush=True)
+
+    def bidirectional(self, p: Any, d: Any) -> float:
+        """Bytes/s of an H2D and a D2H copy (each half of ``p``) running at once on two streams."""
+        lg = self.lg
+        half = p.nbytes // 2
+        s1, s2 = self.dev.stream(), self.dev.stream()
+        e0, e1, e2 = self.dev.event(timing=True), self.dev.event(), self.dev.event()
+        times = []
+        for _ in range(6):
+            e0.record(self.s)
+            s1.wait(e0), s2.wait(e0)
+            lg.ops.copy(d.view(0, half), p.view(0, half), stream=s1)
+            lg.ops.copy(p.view(half, half), d.view(half, half), stream=s2)
+            e1.record(s1), e2.record(s2)
+            self.s.wait(e1), self.s.wait(e2)
+            end = self.dev.event(timing=True).record(self.s)
+            end.synchronize()
+            times.append(e0.elapsed_ms(end) / 1e3)
+        return 2 * half / statistics.median(times[1:])
 
     # ---- kernels -----------------------------------------------------------------------------
     def add_sr(self, key: str, n: int, b_dtype: Any, kind: str = "device", peer_bw: float | None = None) -> None:
@@ -238,37 +260,53 @@ class Bench:
         k = kern.kernel(add_sr_spec(lg.bf16, lg.bf16, lg.bf16))
         grid, pa, pb = kern.grid(n), a.ptr, b.ptr
 
-        def through_ops() -> float:
+        # Host cost only: the GPU is first kept busy (a queue of large add_sr kernels, ~4 ms) so
+        # the timed launches just queue behind it; otherwise a tiny kernel's GPU time (a few us)
+        # paces the host once the launch queue fills, and that is what would be measured.
+        big_n = 1 << 27
+        ba = self.dev.alloc(big_n, lg.bf16, name="bench")
+        bb = self.dev.alloc(big_n, lg.bf16, name="bench")
+        lg.ops.fill_zero(ba, stream=s), lg.ops.fill_zero(bb, stream=s)
+        bound = lg.ops.bind_add_sr(a, a, b)
+        batch = 500
+
+        def timed(issue: Any) -> float:
+            total, done = 0.0, 0
+            while done < calls:
+                for _ in range(20):
+                    lg.ops.add_sr(ba, ba, bb, 1.0, 1, 0, h)
+                t0 = time.perf_counter()
+                issue(batch, done)
+                total += time.perf_counter() - t0
+                done += batch
+                s.synchronize()
+            return total / done
+
+        def via_ops(k_: int, base: int) -> None:
             add = lg.ops.add_sr
-            for i in range(100):
+            for i in range(base, base + k_):
                 add(a, a, b, 1.0, i, 0, s)
-            s.synchronize()
-            t0 = time.perf_counter()
-            for i in range(calls):
-                add(a, a, b, 1.0, i, 0, s)
-            s.synchronize()
-            return (time.perf_counter() - t0) / calls
 
-        def bare() -> float:
+        def via_bound(k_: int, base: int) -> None:
+            for i in range(base, base + k_):
+                bound(i, h)
+
+        def via_kernel(k_: int, base: int) -> None:
             launch = k.launch
-            for i in range(100):
+            for i in range(base, base + k_):
                 launch(grid, h, pa, pa, pb, 1.0, i, 0, n)
-            s.synchronize()
-            t0 = time.perf_counter()
-            for i in range(calls):
-                launch(grid, h, pa, pa, pb, 1.0, i, 0, n)
-            s.synchronize()
-            return (time.perf_counter() - t0) / calls
 
-        ops_s, bare_s = through_ops(), bare()
+        ops_s, bound_s, bare_s = timed(via_ops), timed(via_bound), timed(via_kernel)
         gpu_ms = self.time_ms([lambda: lg.ops.add_sr(a, a, b, seed=1, stream=s)], reps=200)
+        ba.close(), bb.close()
         self.results["launch_us"] = ops_s * 1e6
         self.results["launch"] = {"elements": n, "calls": calls, "ops_add_sr_us": ops_s * 1e6,
-                                  "bare_kernel_launch_us": bare_s * 1e6, "validation_us": (ops_s - bare_s) * 1e6,
-                                  "gpu_kernel_us": gpu_ms * 1e3}
-        print(f"launch overhead (add_sr, {n} elements, {calls} calls): ops.add_sr {ops_s * 1e6:.2f} us/call, "
-              f"bare Kernel.launch {bare_s * 1e6:.2f} us/call (validation {1e6 * (ops_s - bare_s):.2f} us); "
-              f"GPU time per kernel {gpu_ms * 1e3:.2f} us", flush=True)
+                                  "bound_add_sr_us": bound_s * 1e6, "bare_kernel_launch_us": bare_s * 1e6,
+                                  "validation_us": (ops_s - bare_s) * 1e6, "gpu_kernel_us": gpu_ms * 1e3}
+        print(f"launch overhead, host time with the GPU busy (add_sr, {n} elements, {calls} calls): "
+              f"ops.add_sr {ops_s * 1e6:.2f} us/call, bound (ops.bind_add_sr) {bound_s * 1e6:.2f} us, bare "
+              f"Kernel.launch {bare_s * 1e6:.2f} us (validation {1e6 * (ops_s - bare_s):.2f} us); GPU time per "
+              f"tiny kernel back to back {gpu_ms * 1e3:.2f} us", flush=True)
 
     # ---- NVRTC -------------------------------------------------------------------------------
     def compile_times(self) -> None:

@@ -107,11 +107,13 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     B = 2 * layout.block_numel * layout.num_layers
     NB = 2 * layout.non_block_numel
     engine = 2 * (B + NB)
+    # per micro-step after the first: the SR add reads the shard and the own slice, writes the shard
     shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
     if strategy == "all_to_all" and world > 1:
         shard_traffic += (world + 1) * B // world
-    if offload:
-        floor_s = max(engine / bw["d2d"], shard_traffic / (bw["h2d"] + bw["d2h"]))
+    if offload:  # the shard's read and write cross PCIe (one each way); the own slice is on the device
+        pcie = (2 if strategy == "scatter_reduce" or world == 1 else 4) * B // world
+        floor_s = max((engine + shard_traffic - pcie) / bw["d2d"], pcie / (bw["h2d"] + bw["d2h"]))
     else:
         floor_s = (engine + shard_traffic) / bw["d2d"]
     rep = gm.memory_report().as_dict()

@@ -25,7 +25,7 @@ from .. import ops
 from ..dtypes import DType, as_dtype, bf16, fp32
 from ..layout import Layout, ParamSpec
 from ..seeds import use_seeds
-from ..stream import StreamLike
+from ..stream import StreamLike, stream_handle
 from ..tensor import Container, Tensor, shard_view
 
 GRAD_DTYPES = (bf16, fp32)
@@ -60,6 +60,7 @@ class GradientManager(ABC):
         layout.check_world(self.world)
         self.base_seed, self.step = seed, step
         self.comm_stream = self.device.stream(priority=self.device_priority_high())
+        self._comm_handle = stream_handle(self.comm_stream)
         self._engine_done = self.device.event(name="engine_done")
         self._comm_done = self.device.event(name="comm_done")
         self._nb_done = self.device.event(name="non_block_done")
@@ -71,7 +72,7 @@ class GradientManager(ABC):
         self._fetched: int | None = None
         self._nb_open: set[str] = set()
         self._nb_touched: set[str] = set()
-        self._seeds = np.zeros((layout.num_layers, max(1, len(layout.block)), 2), np.uint64)
+        self._seed_list: list[list[list[int]]] = []  # [layer][tensor][phase] of the micro-step in progress
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -110,9 +111,10 @@ class GradientManager(ABC):
         self._next_layer, self._fetched = self.layout.num_layers - 1, None
         if micro_step == 0:
             self._nb_touched = set()
-        L, T = self._seeds.shape[:2]
-        self._seeds = use_seeds(self.base_seed, self.step, micro_step, np.arange(L)[:, None, None],
-                                np.arange(T)[None, :, None], np.arange(2)[None, None, :])
+        L, T = self.layout.num_layers, max(1, len(self.layout.block))
+        seeds = use_seeds(self.base_seed, self.step, micro_step, np.arange(L)[:, None, None],
+                          np.arange(T)[None, :, None], np.arange(2)[None, None, :])
+        self._seed_list = seeds.tolist()  # python ints: no numpy scalars on the hot path
 
     @property
     def last_micro_step(self) -> bool:
@@ -239,10 +241,6 @@ class GradientManager(ABC):
         for s, t in zip(self.layout.block, tensors):
             if s.zero_init:
                 ops.fill_zero(t, stream)
-
-    def seed(self, layer: int, tensor: int, phase: int) -> int:
-        """The per-use SR seed of the micro-step in progress."""
-        return int(self._seeds[layer, tensor, phase])
 
     def shard_offset(self, spec: ParamSpec) -> int:
         """Element offset of this rank's shard within the full tensor (for the SR noise index)."""

@@ -32,13 +32,21 @@ class ShardedManager(GradientManager):
         self._buffers = [[lazy.alloc(s.shape, self.dtype, "block_grad") for s in self.layout.block]
                          for _ in range(min(2, L))]
         lazy.commit()
+        self._containers = [self._container(buf) for buf in self._buffers]
         shard_lazy = self.device.lazy_allocator("pinned" if self.offload else "device")
         self._shards = [[shard_lazy.alloc((s.shape[0] // self.world,) + s.shape[1:], self.dtype,
                                           "block_grad_shards") for s in self.layout.block] for _ in range(L)]
         shard_lazy.commit()
-        self._offsets = [self.shard_offset(s) for s in self.layout.block]
         self._free = [self.device.event(name=f"buffer{i}_free") for i in range(len(self._buffers))]
         self._ready = [self.device.event(name=f"layer{l}_shard") for l in range(L)]
+        self._bind()
+
+    def _bind(self) -> None:
+        """Check and pack every per-layer launch once: own slices, SR adds (and reductions)."""
+        offsets = [self.shard_offset(s) for s in self.layout.block]
+        self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
+        self._acc = [[ops.bind_add_sr(sh, sh, own, 1.0, off) for sh, own, off in
+                      zip(self._shards[l], self._own[l % 2], offsets)] for l in range(self.layout.num_layers)]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Buffer ``layer % 2`` for layer ``layer``'s gradients; always overwrite (``False``),
@@ -48,27 +56,26 @@ class ShardedManager(GradientManager):
         buf = self._buffers[layer % 2]
         self._free[layer % 2].wait(stream)
         self._zero_init(buf, stream)
-        return self._container(buf), False
+        return self._containers[layer % 2], False
 
     def _exchange_block(self, layer: int) -> None:
-        buf, shards, s = self._buffers[layer % 2], self._shards[layer], self.comm_stream
-        first = self._micro == 0
-        for i, (full, shard) in enumerate(zip(buf, shards)):
-            self._exchange_tensor(layer, i, full, shard, first, s)
+        s, first, seeds = self.comm_stream, self._micro == 0, self._seed_list[layer]
+        if self.world > 1:  # the mean over one rank is the gradient itself
+            for full in self._buffers[layer % 2]:
+                self.comm.reduce_scatter(full, op="avg", stream=s)
+        self._add_own(layer, first, seeds)
         self._free[layer % 2].record(s)
         self._ready[layer].record(s)
 
-    def _exchange_tensor(self, layer: int, i: int, full: Tensor, shard: Tensor, first: bool, s: StreamLike) -> None:
-        if self.world > 1:  # the mean over one rank is the gradient itself
-            self.comm.reduce_scatter(full, op="avg", stream=s)
-        self._add_own(layer, i, full, shard, first, s)
-
-    def _add_own(self, layer: int, i: int, full: Tensor, shard: Tensor, first: bool, s: StreamLike) -> None:
-        own = shard_view(full, self.rank, self.world)
+    def _add_own(self, layer: int, first: bool, seeds: list[list[int]]) -> None:
+        """Shard += own slice (phase-0 noise); a copy on micro-step 0."""
         if first:
-            ops.copy(shard, own, stream=s)
+            for shard, own in zip(self._shards[layer], self._own[layer % 2]):
+                ops.copy(shard, own, stream=self.comm_stream)
         else:
-            ops.add_sr(shard, shard, own, 1.0, self.seed(layer, i, 0), self._offsets[i], stream=s)
+            h = self._comm_handle
+            for i, acc in enumerate(self._acc[layer]):
+                acc(seeds[i][0], h)
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
@@ -89,11 +96,21 @@ class ShardedManager(GradientManager):
 class AllToAllManager(ShardedManager):
     strategy = "all_to_all"
 
-    def _exchange_tensor(self, layer: int, i: int, full: Tensor, shard: Tensor, first: bool, s: StreamLike) -> None:
-        self._add_own(layer, i, full, shard, first, s)
-        if self.world == 1:
-            return  # no peers: the own slice is the whole mean
-        self.comm.all_to_all(full, stream=s)
-        scale = 1.0 / self.world if self.last_micro_step else 1.0
-        ops.reduce_sr(shard, full, self.world, (self.rank + self.world - 1) % self.world, scale, True,
-                      self.seed(layer, i, 1), self._offsets[i], stream=s)
+    def _bind(self) -> None:
+        super()._bind()
+        W, skip = self.world, (self.rank + self.world - 1) % self.world
+        offsets = [self.shard_offset(s) for s in self.layout.block]
+        self._red = [[[ops.bind_reduce_sr(sh, full, W, skip, scale, True, off) for scale in (1.0, 1.0 / W)]
+                      for sh, full, off in zip(self._shards[l], self._buffers[l % 2], offsets)]
+                     for l in range(self.layout.num_layers)] if W > 1 else []
+
+    def _exchange_block(self, layer: int) -> None:
+        s, seeds = self.comm_stream, self._seed_list[layer]
+        self._add_own(layer, self._micro == 0, seeds)  # consumes the own slot before the exchange
+        if self.world > 1:  # world 1: no peers, the own slice is the whole mean
+            h, last = self._comm_handle, int(self.last_micro_step)
+            for i, (full, red) in enumerate(zip(self._buffers[layer % 2], self._red[layer])):
+                self.comm.all_to_all(full, stream=s)
+                red[last](seeds[i][1], h)
+        self._free[layer % 2].record(s)
+        self._ready[layer].record(s)

@@ -19,6 +19,7 @@ class UnshardedManager(GradientManager):
         self._full = [[lazy.alloc(s.shape, self.dtype, "block_grad") for s in self.layout.block]
                       for _ in range(self.layout.num_layers)]
         lazy.commit()
+        self._containers = [self._container(ts) for ts in self._full]
         self._done = [self.device.event(name=f"layer{l}_reduced") for l in range(self.layout.num_layers)]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
@@ -29,7 +30,7 @@ class UnshardedManager(GradientManager):
         if self._micro == 0:
             self._done[layer].wait(stream)  # the previous step's reduce-scatter has finished
             self._zero_init(tensors, stream)
-        return self._container(tensors), self._micro > 0
+        return self._containers[layer], self._micro > 0
 
     def _exchange_block(self, layer: int) -> None:
         if self.last_micro_step:
