@@ -142,8 +142,11 @@ __device__ __forceinline__ bool aligned16(u64 bits) { return (bits & 15u) == 0; 
 // handles U groups starting at elements e[0..U): VEC (all pointers 16-byte aligned, checked by the
 // caller) with full groups, U at a time for several independent loads in flight; else one group
 // with `count` valid elements. The partial tail group goes to thread 0.
-template <int U, typename F> __device__ __forceinline__ void for_each_group(F& f, u64 n, bool vec) {
-  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
+// for_each_group_in runs the loop on blocks [0, nblocks) numbered `block` (a slice of a larger
+// grid: the multi-tensor kernels give each tensor its own range of blocks).
+template <int U, typename F>
+__device__ __forceinline__ void for_each_group_in(F& f, u64 n, bool vec, u32 block, u32 nblocks) {
+  const u64 tid = (u64)block * blockDim.x + threadIdx.x, stride = (u64)nblocks * blockDim.x;
   const u64 full = n >> 3;
   u64 q = tid;
   if (vec) {
@@ -167,4 +170,8 @@ template <int U, typename F> __device__ __forceinline__ void for_each_group(F& f
     const u64 e[1] = {8 * full};
     f.template run<1, false>(e, (u32)(n & 7u));
   }
+}
+
+template <int U, typename F> __device__ __forceinline__ void for_each_group(F& f, u64 n, bool vec) {
+  for_each_group_in<U>(f, n, vec, blockIdx.x, gridDim.x);
 }

@@ -41,12 +41,14 @@ _memo_lock = threading.Lock()
 class KernelSpec:
     """One ``extern "C"`` kernel: the module (key of :func:`compile_kernels`) holding ``symbol``,
     its parameters as ctypes types (pointers are ``c_uint64`` device addresses), and the block
-    size it is built for (``__launch_bounds__``; norm kernels need a power of two up to it)."""
+    size it is built for (``__launch_bounds__``; norm kernels need a power of two up to it).
+    ``struct``: the kernel takes a single struct by value whose fields, in order, are ``args``."""
 
     module: str
     symbol: str
     args: tuple[Any, ...]
     block: int = 256
+    struct: bool = False  # one by-value struct parameter whose fields are ``args`` (C layout)
 
 
 _u64, _u32, _i32, _f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_float
@@ -57,6 +59,9 @@ FILL_ZERO_ARGS = (_u64, _u64)  # dst, nbytes
 NORM_ARGS = (_u64, _u64, _u64)  # x, n, partials
 NORM_FINISH_ARGS = (_u64, _u32, _u64, _i32)  # partials, n_partials, out, accumulate
 PHILOX_KAT_ARGS = (_u64, _u64, _u64, _u64)  # ctr (n x 4 u32), key (n x 2 u32), out (n x 4 u32), n
+MULTI_MAX = 16  # tensors per multi-tensor launch (kernels/add_sr.cu)
+# struct MultiAddSr: dst, a, b, seed, offset, n (MULTI_MAX each), first_block[MULTI_MAX + 1], count, scale
+ADD_SR_MULTI_ARGS = (_u64,) * (6 * MULTI_MAX) + (_u32,) * (MULTI_MAX + 1) + (_u32, _f32)
 _TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}
 
 
@@ -70,6 +75,7 @@ def _tag(dtype: Any, allowed: tuple[DType, ...], what: str) -> str:
 def _all_specs() -> dict[str, KernelSpec]:
     sr = ("f32", "bf16")
     specs = [KernelSpec("add_sr", f"add_sr_{d}_{a}_{b}", ADD_SR_ARGS) for d in sr for a in sr for b in sr]
+    specs += [KernelSpec("add_sr", f"add_sr_multi_{d}_{d}_{b}", ADD_SR_MULTI_ARGS, struct=True) for d in sr for b in sr]
     specs += [KernelSpec("reduce_sr", f"reduce_sr_{d}_{s}", REDUCE_SR_ARGS) for d in sr for s in sr]
     specs += [KernelSpec("fill_zero", "fill_zero_u8", FILL_ZERO_ARGS),
               KernelSpec("philox_kat", "philox_kat", PHILOX_KAT_ARGS)]
@@ -87,6 +93,12 @@ def add_sr_spec(dst_dtype: Any, a_dtype: Any, b_dtype: Any) -> KernelSpec:
     """The ``add_sr`` kernel for these dtypes (fp32 or bf16 each)."""
     tags = [_tag(d, (fp32, bf16), f"add_sr {w}") for d, w in ((dst_dtype, "dst"), (a_dtype, "a"), (b_dtype, "b"))]
     return KERNELS["add_sr_" + "_".join(tags)]
+
+
+def add_sr_multi_spec(dst_dtype: Any, b_dtype: Any) -> KernelSpec:
+    """The multi-tensor ``add_sr`` (``dst`` and ``a`` of one dtype, ``b`` fp32 or bf16)."""
+    d = _tag(dst_dtype, (fp32, bf16), "add_sr_multi dst")
+    return KERNELS[f"add_sr_multi_{d}_{d}_{_tag(b_dtype, (fp32, bf16), 'add_sr_multi b')}"]
 
 
 def reduce_sr_spec(dst_dtype: Any, src_dtype: Any) -> KernelSpec:

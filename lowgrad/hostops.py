@@ -26,6 +26,13 @@ class HostKernels:
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float
+                          ) -> Callable[[list[int], int], None]:
+        def run(seeds: list[int], stream: int) -> None:
+            for (dst, a, b, off), seed in zip(items, seeds):
+                self.add_sr(dst, a, b, scale, seed, off, stream)
+        return run
+
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int) -> Callable[[int, int], None]:
         return lambda seed, stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, seed, index_offset,

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _cuda
-from .compiler import (FILL_ZERO, PHILOX_KAT, KernelSpec, add_sr_spec, compile_kernels, norm_squared_specs,
-                       reduce_sr_spec)
+from .compiler import (FILL_ZERO, MULTI_MAX, PHILOX_KAT, KernelSpec, add_sr_multi_spec, add_sr_spec, compile_kernels,
+                       norm_squared_specs, reduce_sr_spec)
 from .dtypes import DType
 from .errors import ClosedError
 from .tensor import Tensor
@@ -63,8 +63,10 @@ class Kernel:
             offsets.append(off)
             off += size
         self._pack = struct.Struct(fmt).pack_into
-        self._buf = (ctypes.c_char * max(off, 8))()
+        self._buf = (ctypes.c_char * max(off + (-off) % 8, 8))()
         base = ctypes.addressof(self._buf)
+        if spec.struct:  # one by-value struct parameter: a single pointer to the whole buffer
+            offsets = [0]
         self._ptrs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self._params = ctypes.addressof(self._ptrs)
         self._lock = threading.Lock()
@@ -77,6 +79,24 @@ class Kernel:
             err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
         if err:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+
+    def pack(self, *args: Any) -> None:
+        """Fill the whole argument buffer (for kernels launched with :meth:`patch_launch`)."""
+        with self._lock:
+            self._pack(self._buf, 0, *args)
+
+    def patch_launch(self, grid: int, stream: int, patch: Any, offset: int, *values: Any) -> None:
+        """Overwrite part of the packed arguments (``patch``: a ``Struct.pack_into`` at byte
+        ``offset``) and launch; the rest stays as :meth:`pack` left it."""
+        with self._lock:
+            patch(self._buf, offset, *values)
+            err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+        if err:
+            raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+
+
+_SEEDS = struct.Struct(f"={MULTI_MAX}Q")  # MultiAddSr.seed
+_SEED_OFFSET = 3 * MULTI_MAX * 8  # after dst, a, b
 
 
 def _check_open(allocs: tuple[Any, ...], name: str) -> None:
@@ -152,6 +172,35 @@ class CudaKernels:
             _check_open(allocs, dst.name)
             if n:
                 launch(grid, stream, p, pa, pb, scale, seed, index_offset, n)
+        return run
+
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float
+                          ) -> Callable[[list[int], int], None]:
+        """``f(seeds, stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple,
+        ``dst`` of ``a``'s dtype) in launches of up to MULTI_MAX tensors, ``seeds[i]`` being tensor
+        ``i``'s seed. Each tensor gets blocks in proportion to its size; everything but the seeds
+        is packed here, once."""
+        spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
+        func = self.kernel(spec).func
+        chunks = []
+        for c in range(0, len(items), MULTI_MAX):
+            part = items[c:c + MULTI_MAX]
+            k, z = Kernel(spec, func), [0] * (MULTI_MAX - len(part))
+            total = sum(d.numel for d, _, _, _ in part) or 1
+            first = [0]
+            for d, _, _, _ in part:
+                first.append(first[-1] + max(1, min((d.numel + 2047) >> 11, -(-self.max_grid * d.numel // total))))
+            cols = [[item[j].ptr for item in part] + z for j in range(3)]
+            k.pack(*cols[0], *cols[1], *cols[2], *[0] * MULTI_MAX, *[off for *_, off in part], *z,
+                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale)
+            chunks.append((k, first[-1], c, c + len(part), z))
+        allocs = tuple(t._alloc for item in items for t in item[:3])
+        name, patch = items[0][0].name, _SEEDS.pack_into
+
+        def run(seeds: list[int], stream: int) -> None:
+            _check_open(allocs, name)
+            for k, blocks, lo, hi, z in chunks:
+                k.patch_launch(blocks, stream, patch, _SEED_OFFSET, *seeds[lo:hi], *z)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,

@@ -135,6 +135,17 @@ _CTYPES_KIND = {ctypes.c_uint64: "int64", ctypes.c_uint32: "int32", ctypes.c_int
                 ctypes.c_float: "float32"}
 
 
+def struct_size(fields: tuple) -> int:
+    """sizeof of a C struct of these scalar fields (natural alignment, padded to the largest)."""
+    import ctypes
+
+    off = 0
+    for t in fields:
+        off += (-off) % ctypes.sizeof(t) + ctypes.sizeof(t)
+    align = max(ctypes.sizeof(t) for t in fields)
+    return off + (-off) % align
+
+
 def test_kernels_table_matches_the_entry_points() -> None:
     d = compiler.kernel_dir()
     opts = ["--gpu-architecture=compute_90", *(o for o in compiler.BASE_OPTIONS if not o.startswith("--ptxas"))]
@@ -147,8 +158,12 @@ def test_kernels_table_matches_the_entry_points() -> None:
         for symbol, params in entries:
             spec = compiler.KERNELS[symbol]
             assert spec.module == module
-            kinds = tuple(_PTX_KIND[t] for t in re.findall(r"\.param\s+(\.\w+)", params))
-            assert kinds == tuple(_CTYPES_KIND[t] for t in spec.args), symbol
+            if spec.struct:  # one by-value struct: `.param .align 8 .b8 name[size]`
+                (size,) = re.findall(r"\.param\s+\.align\s+8\s+\.b8\s+\w+\[(\d+)\]", params)
+                assert int(size) == struct_size(spec.args), symbol
+            else:
+                kinds = tuple(_PTX_KIND[t] for t in re.findall(r"\.param\s+(\.\w+)", params))
+                assert kinds == tuple(_CTYPES_KIND[t] for t in spec.args), symbol
             seen.add(symbol)
     assert seen == set(compiler.KERNELS)
 

@@ -507,3 +507,30 @@ def test_closed_tensor_raises_before_launch(gpu: lg.Device) -> None:
         with pytest.raises(lg.ClosedError, match="dead"):
             call()
     gpu.synchronize()  # nothing bad was queued
+
+
+@pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32), (lg.fp32, lg.bf16), (lg.fp32, lg.fp32)],
+                         ids=_ids)
+def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevice,
+                                               dtypes: tuple[lg.DType, lg.DType]) -> None:
+    """20 tensors (two launches of up to 16) of mixed sizes, one misaligned view, own offsets and
+    seeds: the multi-tensor kernel gives the reference's bits for every tensor."""
+    rng, seed = _rng()
+    d_dt, b_dt = dtypes
+    sizes = [1, 7, 9, 4096, 256 * 8 + 3, 70_003, 1 << 20, 3, 17, 1000] * 2
+    items, want, outs = [], [], []
+    s = gpu.stream()
+    seeds = [int(rng.integers(0, 1 << 63)) for _ in sizes]
+    for i, n in enumerate(sizes):
+        a, b = _values(rng, n + 1, d_dt), _values(rng, n, b_dt)
+        off = _offset(rng) if i % 3 else 0
+        dst = _put(gpu, a, name="multi_a").view(1, n) if i == 4 else _put(gpu, a[:n], name="multi_a")
+        items.append((dst, dst, _put(gpu, b, name="multi_b"), off))
+        ref = lg.reference.add_sr(a[1:] if i == 4 else a[:n], b, 0.5, seeds[i], off, out_dtype=d_dt)
+        want.append(ref)
+        outs.append(dst)
+    run = lg.ops.bind_add_sr_multi(items, 0.5)
+    run(seeds, s.handle)
+    s.synchronize()
+    for i, (dst, ref) in enumerate(zip(outs, want)):
+        assert_bits(dst.numpy(), ref, f"multi tensor {i} n={sizes[i]} rng={seed}")

@@ -289,3 +289,21 @@ def test_grad_norm_squared() -> None:
     total = sum(local for _, local in out)
     for got, _ in out:
         assert got == pytest.approx(total, rel=1e-5)
+
+
+def test_bind_add_sr_multi_host_equals_separate_calls_and_checks() -> None:
+    h = lg.HostDevice()
+    rng = np.random.default_rng(3)
+    mk = lambda n, dt: lg.from_numpy(rng.standard_normal(n).astype(dt.np), h, name="m")  # noqa: E731
+    items = [(mk(n, lg.bf16), None, mk(n, lg.bf16), 8 * i + 1) for i, n in enumerate((5, 64, 1000))]
+    items = [(d, d, b, off) for d, _, b, off in items]
+    want = [lg.reference.add_sr(d.numpy(), b.numpy(), 2.0, 11 + i, off) for i, (d, _, b, off) in enumerate(items)]
+    lg.ops.bind_add_sr_multi(items, 2.0)([11, 12, 13], 0)
+    for (d, *_), w in zip(items, want):
+        assert np.array_equal(d.numpy().view(np.uint16), w.view(np.uint16))
+    with pytest.raises(ValueError):
+        lg.ops.bind_add_sr_multi([])
+    with pytest.raises(TypeError, match="every item"):
+        lg.ops.bind_add_sr_multi([items[0], (mk(4, lg.fp32), mk(4, lg.fp32), mk(4, lg.bf16), 0)])
+    with pytest.raises(ValueError, match="size"):
+        lg.ops.bind_add_sr_multi([(mk(4, lg.bf16), mk(4, lg.bf16), mk(5, lg.bf16), 0)])

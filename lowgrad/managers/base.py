@@ -72,7 +72,8 @@ class GradientManager(ABC):
         self._fetched: int | None = None
         self._nb_open: set[str] = set()
         self._nb_touched: set[str] = set()
-        self._seed_list: list[list[list[int]]] = []  # [layer][tensor][phase] of the micro-step in progress
+        self._seed0: list[list[int]] = []  # [layer][tensor] seeds of the micro-step in progress, phase 0
+        self._seed1: list[list[int]] = []  # and phase 1
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -114,7 +115,7 @@ class GradientManager(ABC):
         L, T = self.layout.num_layers, max(1, len(self.layout.block))
         seeds = use_seeds(self.base_seed, self.step, micro_step, np.arange(L)[:, None, None],
                           np.arange(T)[None, :, None], np.arange(2)[None, None, :])
-        self._seed_list = seeds.tolist()  # python ints: no numpy scalars on the hot path
+        self._seed0, self._seed1 = seeds[..., 0].tolist(), seeds[..., 1].tolist()  # python ints for the hot path
 
     @property
     def last_micro_step(self) -> bool:

@@ -45,8 +45,9 @@ class ShardedManager(GradientManager):
         """Check and pack every per-layer launch once: own slices, SR adds (and reductions)."""
         offsets = [self.shard_offset(s) for s in self.layout.block]
         self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
-        self._acc = [[ops.bind_add_sr(sh, sh, own, 1.0, off) for sh, own, off in
-                      zip(self._shards[l], self._own[l % 2], offsets)] for l in range(self.layout.num_layers)]
+        self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
+                                            zip(self._shards[l], self._own[l % 2], offsets)])
+                     for l in range(self.layout.num_layers)] if self.layout.block else []
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Buffer ``layer % 2`` for layer ``layer``'s gradients; always overwrite (``False``),
@@ -59,23 +60,21 @@ class ShardedManager(GradientManager):
         return self._containers[layer % 2], False
 
     def _exchange_block(self, layer: int) -> None:
-        s, first, seeds = self.comm_stream, self._micro == 0, self._seed_list[layer]
+        s, first = self.comm_stream, self._micro == 0
         if self.world > 1:  # the mean over one rank is the gradient itself
             for full in self._buffers[layer % 2]:
                 self.comm.reduce_scatter(full, op="avg", stream=s)
-        self._add_own(layer, first, seeds)
+        self._add_own(layer, first)
         self._free[layer % 2].record(s)
         self._ready[layer].record(s)
 
-    def _add_own(self, layer: int, first: bool, seeds: list[list[int]]) -> None:
+    def _add_own(self, layer: int, first: bool) -> None:
         """Shard += own slice (phase-0 noise); a copy on micro-step 0."""
         if first:
             for shard, own in zip(self._shards[layer], self._own[layer % 2]):
                 ops.copy(shard, own, stream=self.comm_stream)
-        else:
-            h = self._comm_handle
-            for i, acc in enumerate(self._acc[layer]):
-                acc(seeds[i][0], h)
+        elif self._acc:
+            self._acc[layer](self._seed0[layer], self._comm_handle)
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
@@ -105,12 +104,12 @@ class AllToAllManager(ShardedManager):
                      for l in range(self.layout.num_layers)] if W > 1 else []
 
     def _exchange_block(self, layer: int) -> None:
-        s, seeds = self.comm_stream, self._seed_list[layer]
-        self._add_own(layer, self._micro == 0, seeds)  # consumes the own slot before the exchange
+        s, seeds = self.comm_stream, self._seed1[layer]
+        self._add_own(layer, self._micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)
             for i, (full, red) in enumerate(zip(self._buffers[layer % 2], self._red[layer])):
                 self.comm.all_to_all(full, stream=s)
-                red[last](seeds[i][1], h)
+                red[last](seeds[i], h)
         self._free[layer % 2].record(s)
         self._ready[layer].record(s)
