@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from . import trace
 from .dtypes import DType, as_dtype
 from .memory import Allocation, LazyAllocator, MemoryReport, Registry, check_kind, check_nbytes
 from .stream import StreamLike, stream_handle
@@ -69,7 +70,10 @@ class DeviceBase(ABC):
     def copy(self, dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
         """Asynchronous copy of ``src`` into ``dst`` (same dtype and element count) on ``stream``."""
         check_copy(self, dst, src)
-        self._copy(dst, src, stream_handle(stream))
+        h = stream_handle(stream)
+        self._copy(dst, src, h)
+        if trace.ENABLED:
+            trace.log("copy", f"{src.kind}->{dst.kind}", bytes=dst.nbytes, dst=dst.name, src=src.name, stream=hex(h))
 
     # ---- provided by each backend ------------------------------------------------------
     stream_type: type = object

@@ -39,14 +39,39 @@ def _driver() -> str:
 
     drv = _cuda.driver()
     v = _cuda.check("cuDriverGetVersion", drv.cuDriverGetVersion())
-    return f"CUDA driver API {v // 1000}.{v % 1000 // 10}"
+    return f"CUDA driver API {v // 1000}.{v % 1000 // 10} from {_loaded('libcuda')}"
+
+
+def _loaded(name: str) -> str:
+    """The path of a shared library this process has mapped (from /proc/self/maps), or '?'."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if name in line and "/" in line}
+    except OSError:
+        return "?"
+    return ", ".join(sorted(paths)) or "?"
+
+
+def _bindings() -> str:
+    import cuda.bindings
+
+    return f"cuda-bindings {cuda.bindings.__version__} from {os.path.dirname(cuda.bindings.__file__)}"
 
 
 def _nvrtc() -> str:
     from . import compiler
 
     major, minor = compiler.nvrtc_version()
-    return f"NVRTC {major}.{minor}; kernels from {compiler.kernel_dir()}; cache {compiler.cache_dir()}"
+    return f"NVRTC {major}.{minor} from {_loaded('libnvrtc')}; kernel sources {compiler.kernel_dir()}"
+
+
+def _cache() -> str:
+    from . import compiler
+
+    d = compiler.cache_dir()
+    files = list(d.glob("*.cubin")) if d.is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    return f"{d}: {len(files)} cubins, {size / 2**20:.1f} MiB (LOWGRAD_CACHE_DIR moves it)"
 
 
 def _nccl() -> str:
@@ -64,6 +89,47 @@ def _gpus() -> str:
         rows.append(f"#{i} {d.name} {d.arch} {d.sm_count} SMs {d.total_memory / 2**30:.1f} GiB "
                     f"L2 {d.l2_bytes / 2**20:.0f} MiB bus {d.pci_bus_id}")
     return "; ".join(rows)
+
+
+def _links() -> str:
+    from . import _cuda
+    from .device import Device, device_count
+
+    n = device_count()
+    if n < 2:
+        return "one GPU: no peer links to check"
+    drv = _cuda.driver()
+    rows = []
+    for i in range(n):
+        row = []
+        for j in range(n):
+            ok = i == j or bool(_cuda.check("cuDeviceCanAccessPeer",
+                                            drv.cuDeviceCanAccessPeer(Device(i)._dev, Device(j)._dev)))
+            row.append("x" if i == j else ("P2P" if ok else "-"))
+        rows.append(f"#{i}: " + " ".join(row))
+    return "; ".join(rows)
+
+
+def _pinned_bandwidth() -> str:
+    from . import ops
+    from .device import Device
+
+    d = Device(0)
+    n = 1 << 28
+    dev, pin = d.alloc(n, "byte", name="doctor"), d.alloc(n, "byte", kind="pinned", name="doctor")
+    s = d.stream()
+    out = []
+    for what, dst, src in (("H2D", dev, pin), ("D2H", pin, dev)):
+        e0, e1 = d.event(timing=True), d.event(timing=True)
+        ops.copy(dst, src, stream=s)
+        e0.record(s)
+        for _ in range(3):
+            ops.copy(dst, src, stream=s)
+        e1.record(s)
+        e1.synchronize()
+        out.append(f"{what} {3 * n / (e0.elapsed_ms(e1) / 1e3) / 1e9:.1f} GB/s")
+    dev.close(), pin.close(), s.close()
+    return ", ".join(out) + " (pinned, 256 MiB copies)"
 
 
 def _kernel_smoke() -> str:
@@ -107,15 +173,16 @@ def _nccl_world1() -> str:
 def run() -> int:
     print(f"lowgrad doctor — Python {sys.version.split()[0]} on {platform.platform()}")
     _check("packages", _packages)
+    _check("cuda-bindings", _bindings)
     _check("NVRTC", _nvrtc)
+    _check("kernel cache", _cache)
     _check("NCCL library", _nccl)
     if not _check("CUDA driver", _driver):
         print("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
         return 0
     _check("GPUs", _gpus)
+    _check("GPU links", _links)
+    _check("pinned bandwidth", _pinned_bandwidth)
     _check("kernel", _kernel_smoke)
     _check("NCCL world 1", _nccl_world1)
-    cache = os.environ.get("LOWGRAD_CACHE_DIR")
-    if cache:
-        _line("info", "LOWGRAD_CACHE_DIR", cache)
     return 0

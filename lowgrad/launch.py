@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _cuda
+from . import _cuda, trace
 from .compiler import (FILL_ZERO, MULTI_MAX, PHILOX_KAT, KernelSpec, add_sr_multi_spec, add_sr_spec, compile_kernels,
                        norm_squared_specs, reduce_sr_spec)
 from .dtypes import DType
@@ -79,6 +79,8 @@ class Kernel:
             err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
         if err:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+        if trace.ENABLED:
+            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), args=args)
 
     def pack(self, *args: Any) -> None:
         """Fill the whole argument buffer (for kernels launched with :meth:`patch_launch`)."""
@@ -93,6 +95,8 @@ class Kernel:
             err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
         if err:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+        if trace.ENABLED:
+            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), patched=values)
 
 
 _SEEDS = struct.Struct(f"={MULTI_MAX}Q")  # MultiAddSr.seed

@@ -22,6 +22,7 @@ import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from importlib import metadata
 
+from . import trace
 from .errors import LowgradError, NcclError
 
 SUCCESS, IN_PROGRESS = 0, 7
@@ -260,28 +261,38 @@ def group_end() -> int:
 def reduce_scatter(send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> int:
     """Reduce ``world * count`` elements at ``send``; rank r's ``count`` results land at ``recv``."""
     rc = _lib.ncclReduceScatter(send, recv, count, dtype, op, comm, stream)  # type: ignore[union-attr]
+    if trace.ENABLED:
+        trace.log("nccl", "ncclReduceScatter", count=count, dtype=dtype, op=op, stream=hex(stream))
     return check("ncclReduceScatter", rc, comm) if rc else 0
 
 
 def all_gather(send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> int:
     """Gather ``count`` elements from every rank into ``world * count`` at ``recv`` (rank order)."""
     rc = _lib.ncclAllGather(send, recv, count, dtype, comm, stream)  # type: ignore[union-attr]
+    if trace.ENABLED:
+        trace.log("nccl", "ncclAllGather", count=count, dtype=dtype, stream=hex(stream))
     return check("ncclAllGather", rc, comm) if rc else 0
 
 
 def all_reduce(send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> int:
     """Reduce ``count`` elements across ranks; every rank receives the result at ``recv``."""
     rc = _lib.ncclAllReduce(send, recv, count, dtype, op, comm, stream)  # type: ignore[union-attr]
+    if trace.ENABLED:
+        trace.log("nccl", "ncclAllReduce", count=count, dtype=dtype, op=op, stream=hex(stream))
     return check("ncclAllReduce", rc, comm) if rc else 0
 
 
 def send(buf: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> int:
     """Send ``count`` elements at ``buf`` to rank ``peer``."""
     rc = _lib.ncclSend(buf, count, dtype, peer, comm, stream)  # type: ignore[union-attr]
+    if trace.ENABLED:
+        trace.log("nccl", "ncclSend", count=count, dtype=dtype, peer=peer, stream=hex(stream))
     return check("ncclSend", rc, comm) if rc else 0
 
 
 def recv(buf: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> int:
     """Receive ``count`` elements from rank ``peer`` into ``buf``."""
     rc = _lib.ncclRecv(buf, count, dtype, peer, comm, stream)  # type: ignore[union-attr]
+    if trace.ENABLED:
+        trace.log("nccl", "ncclRecv", count=count, dtype=dtype, peer=peer, stream=hex(stream))
     return check("ncclRecv", rc, comm) if rc else 0

@@ -70,7 +70,7 @@ def span(tensors: list[Tensor]) -> Tensor:
 
 
 def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
-          bw: dict[str, float]) -> dict[str, Any]:
+          bw: dict[str, float], engine_writes: bool = True) -> dict[str, Any]:
     dev, world = comm.device, comm.world
     gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1)
     stream = dev.stream()
@@ -89,12 +89,14 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             gm.start_micro_step(stream, m, micro)
             for s in layout.non_block:
                 t, _ = gm.non_block_full(s.name, stream)
-                lg.ops.copy(as_bytes(t), pool.view(0, t.nbytes), stream)
+                if engine_writes:
+                    lg.ops.copy(as_bytes(t), pool.view(0, t.nbytes), stream)
                 gm.notify_non_block(s.name, stream)
             for layer in reversed(range(layout.num_layers)):
                 dw, _ = gm.block_full(layer, stream)
-                dst = span(list(dw.tensors()))
-                lg.ops.copy(dst, pool.view(0, dst.nbytes), stream)
+                if engine_writes:
+                    dst = span(list(dw.tensors()))
+                    lg.ops.copy(dst, pool.view(0, dst.nbytes), stream)
                 gm.notify_block(layer, stream)
             gm.end_micro_step(stream)
             t_host += time.perf_counter() - h0
@@ -106,7 +108,7 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     steady = statistics.median(last[1:-1] if micro > 2 else last)
     B = 2 * layout.block_numel * layout.num_layers
     NB = 2 * layout.non_block_numel
-    engine = 2 * (B + NB)
+    engine = 2 * (B + NB) if engine_writes else 0
     # per micro-step after the first: the SR add reads the shard and the own slice, writes the shard
     shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
     if strategy == "all_to_all" and world > 1:
@@ -119,7 +121,8 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     rep = gm.memory_report().as_dict()
     gm.close()
     pool.close()
-    return {"strategy": strategy, "offload": offload, "world": world, "micro_ms": steady,
+    return {"strategy": strategy, "offload": offload, "world": world, "engine_writes": engine_writes,
+            "micro_ms": steady,
             "micro_ms_all": last, "host_ms_per_micro": statistics.median(host_ms[-1:]),
             "bytes_per_micro": engine + shard_traffic, "floor_ms": floor_s * 1e3, "ratio": floor_s * 1e3 / steady,
             "memory": rep}
@@ -137,6 +140,9 @@ def main() -> int:
     p.add_argument("--micro-steps", type=int, default=6)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--strategies", default="all", help="comma list of strategy[+offload], or all")
+    p.add_argument("--manager-only", action="store_true",
+                   help="the engine writes nothing (gradients keep the pool's first values): the manager's "
+                        "own exchange and SR traffic against its own floor")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_manager.json"))
     args = p.parse_args()
     layout = lg.llama_layout(args.config)
@@ -153,7 +159,8 @@ def main() -> int:
             continue
         try:
             out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
-                                                              args.steps, bw), backend=args.backend)
+                                                              args.steps, bw, not args.manager_only),
+                                 backend=args.backend)
             results.append(out[0])
         except Exception as exc:  # report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")

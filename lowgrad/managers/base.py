@@ -27,6 +27,7 @@ from ..layout import Layout, ParamSpec
 from ..seeds import use_seeds
 from ..stream import StreamLike, stream_handle
 from ..tensor import Container, Tensor, shard_view
+from ..trace import nvtx_range
 
 GRAD_DTYPES = (bf16, fp32)
 
@@ -150,9 +151,10 @@ class GradientManager(ABC):
         """The engine finished writing layer ``layer``'s gradients on ``stream``: queue the
         exchange and accumulation on the manager's communication stream."""
         self._check_notify(layer)
-        self._engine_done.record(stream)
-        self.comm_stream.wait(self._engine_done)
-        self._exchange_block(layer)
+        with nvtx_range(f"lowgrad.exchange layer {layer}"):
+            self._engine_done.record(stream)
+            self.comm_stream.wait(self._engine_done)
+            self._exchange_block(layer)
 
     @abstractmethod
     def _exchange_block(self, layer: int) -> None:
@@ -168,7 +170,8 @@ class GradientManager(ABC):
         if self._nb_open:
             raise ProtocolError(f"end_micro_step with non-block gradients not notified: {sorted(self._nb_open)}")
         if self.last_micro_step:
-            self._finish_non_block(stream)
+            with nvtx_range("lowgrad.non_block reduce-scatter"):
+                self._finish_non_block(stream)
         self._comm_done.record(self.comm_stream)
         self._comm_done.wait(stream)
         self._in_micro = False

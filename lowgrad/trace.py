@@ -1,0 +1,61 @@
+"""Diagnostics that cost nothing when off: NVTX ranges and an opt-in trace of every kernel
+launch, copy and NCCL call.
+
+- NVTX: where the optional ``nvtx`` package is importable, :func:`nvtx_range` pushes and pops a
+  named range (visible in Nsight Systems); otherwise it does nothing.
+- ``LOWGRAD_TRACE=1`` writes one line per kernel launch, copy and NCCL call, with sizes and the
+  stream, to stderr; ``LOWGRAD_TRACE=/path/file`` appends them to that file. Read once at import
+  (:func:`enable` switches it at run time).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+try:
+    import nvtx as _nvtx
+except ImportError:  # optional
+    _nvtx = None
+
+ENABLED: bool = False
+_out: TextIO | None = None
+_lock = threading.Lock()
+
+
+def enable(target: str | None) -> None:
+    """Trace to stderr (``"1"``), to a file (a path), or switch tracing off (``None``/``""``)."""
+    global ENABLED, _out
+    if _out not in (None, sys.stderr):
+        _out.close()  # type: ignore[union-attr]
+    _out = None if not target else (sys.stderr if target == "1" else open(target, "a", buffering=1))
+    ENABLED = _out is not None
+
+
+def log(kind: str, name: str, **fields: Any) -> None:
+    """One trace line: time (s, monotonic), thread, kind ("kernel" | "copy" | "nccl"), name, fields."""
+    if _out is None:
+        return
+    extra = " ".join(f"{k}={v}" for k, v in fields.items())
+    with _lock:
+        _out.write(f"lowgrad-trace {time.monotonic():.6f} {threading.current_thread().name} {kind} {name} {extra}\n")
+
+
+@contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX range around the block when the ``nvtx`` package is present."""
+    if _nvtx is None:
+        yield
+        return
+    _nvtx.push_range(name)
+    try:
+        yield
+    finally:
+        _nvtx.pop_range()
+
+
+enable(os.environ.get("LOWGRAD_TRACE"))
