@@ -36,8 +36,9 @@ def drive(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
 
     def write(t: lg.Tensor, acc: bool, g: np.ndarray) -> None:
         src = scratch.get(t.shape)
-        if src is None:
-            src = scratch[t.shape] = dev.alloc(t.shape, lg.fp32, name="engine_scratch")
+        if src is None:  # pinned: host-visible on both backends and readable by device kernels
+            src = scratch[t.shape] = dev.alloc(t.shape, lg.fp32, kind="pinned", name="engine_scratch")
+        stream.synchronize()  # the previous kernel reading this scratch is done
         src.numpy()[...] = g
         if acc:
             lg.ops.add_sr(t, t, src, 1.0, seed=99, stream=stream)
@@ -57,12 +58,12 @@ def drive(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
                     write(dw[s.name], acc or s.zero_init, gfun(comm.rank, m, layer, i, s.shape, step))
                 gm.notify_block(layer, stream)
             gm.end_micro_step(stream)
-    out = {f"nb.{s.name}": gm.non_block_shard(s.name, stream).numpy().astype(np.float64) for s in layout.non_block}
+    shards = {f"nb.{s.name}": gm.non_block_shard(s.name, stream) for s in layout.non_block}
     for layer in range(layout.num_layers):
         c = gm.block_shard(layer, stream)
-        for s in layout.block:
-            out[f"{layer}.{s.name}"] = c[s.name].numpy().astype(np.float64)
-    return out
+        shards.update({f"{layer}.{s.name}": c[s.name] for s in layout.block})
+    stream.synchronize()  # `stream` waited for the shards; pinned ones are read directly
+    return {k: t.numpy().astype(np.float64) for k, t in shards.items()}
 
 
 def bf16_grad(*args: Any) -> np.ndarray:
