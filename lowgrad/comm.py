@@ -79,22 +79,26 @@ class Communicator(CommBase):
 
     def _settle(self, call: str, rc: int, timeout: float) -> None:
         """After a call returned ncclInProgress: poll until NCCL has taken it (or fail)."""
-        if rc != nccl.IN_PROGRESS:
-            return
-        deadline, pause = time.monotonic() + timeout, _POLL_MIN
+        if rc == nccl.IN_PROGRESS:
+            self._poll(call, timeout, lambda state: state == nccl.SUCCESS)
+
+    def _poll(self, call: str, limit: float, done: Any) -> None:
+        """Poll ``ncclCommGetAsyncError`` until ``done(state)``; an NCCL error, an abort or
+        ``limit`` seconds passing aborts the communicator and raises."""
+        deadline, pause = time.monotonic() + limit, _POLL_MIN
         while True:
             self._check_abort_event(call)
             with self._lock:
                 if self._state != "open":
                     raise CommAbortedError(f"{call}: communicator rank {self.rank} was aborted")
                 state = nccl.comm_get_async_error(self.handle)
-            if state == nccl.SUCCESS:
-                return
-            if state != nccl.IN_PROGRESS:
+            if state not in (nccl.SUCCESS, nccl.IN_PROGRESS):
                 raise self._fail(nccl.error(call, state, self.handle))
+            if done(state):
+                return
             if time.monotonic() > deadline:
                 raise self._fail(CommTimeoutError(f"{call}: rank {self.rank} of {self.world} did not complete "
-                                                  f"within {timeout:g} s; communicator aborted"))
+                                                  f"within {limit:g} s; communicator aborted"))
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX)
 
@@ -253,23 +257,7 @@ class Communicator(CommBase):
         self._check_open("wait")
         self.device.activate()
         target = what if hasattr(what, "query") else self.device.resolve_stream(what)
-        limit = self.timeout if timeout is None else float(timeout)
-        deadline, pause = time.monotonic() + limit, _POLL_MIN
-        while True:
-            self._check_abort_event("wait")
-            with self._lock:
-                if self._state != "open":
-                    raise CommAbortedError(f"wait: communicator rank {self.rank} was aborted")
-                state = nccl.comm_get_async_error(self.handle)
-            if state not in (nccl.SUCCESS, nccl.IN_PROGRESS):
-                raise self._fail(nccl.error("ncclCommGetAsyncError", state, self.handle))
-            if target.query():
-                return
-            if time.monotonic() > deadline:
-                raise self._fail(CommTimeoutError(f"wait: rank {self.rank} of {self.world}: work not complete "
-                                                  f"within {limit:g} s; communicator aborted"))
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
+        self._poll("wait", self.timeout if timeout is None else float(timeout), lambda state: target.query())
 
     # ---- lifetime ----------------------------------------------------------------------
     def _live(self, call: str) -> None:
