@@ -3,6 +3,7 @@ stream resolution. Each backend supplies raw allocation, copies, streams, events
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,7 @@ class DeviceBase(ABC):
         dt, shp, kind = as_dtype(dtype), check_shape(shape), check_kind(kind)
         if not isinstance(name, str) or not name:
             raise TypeError("allocation name must be a non-empty str")
-        nbytes = check_nbytes(int(np.prod(shp, dtype=np.float64)) * dt.itemsize, self.memory_limit(kind),
-                              f"alloc {name!r} {shp} {dt.name}")
+        nbytes = check_nbytes(math.prod(shp) * dt.itemsize, self.memory_limit(kind), f"alloc {name!r} {shp} {dt.name}")
         a = Allocation(self, kind, nbytes, {name: nbytes})
         self._bind(a, nbytes)
         return Tensor(a, 0, dt, shp, name)

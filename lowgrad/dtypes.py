@@ -48,10 +48,12 @@ def as_dtype(x: object) -> DType:
         return x
     if isinstance(x, str) and x in _BY_NAME:
         return _BY_NAME[x]
-    try:
-        npd = np.dtype(x)  # type: ignore[call-overload]
-    except TypeError:
-        npd = None
+    npd = None
+    if x is not None:  # np.dtype(None) would be float64
+        try:
+            npd = np.dtype(x)  # type: ignore[call-overload]
+        except (TypeError, ValueError, SyntaxError):  # numpy's parser raises any of these
+            pass
     if npd is not None and npd in _BY_NP:
         return _BY_NP[npd]
     raise TypeError(f"unsupported dtype {x!r}; expected one of {', '.join(_BY_NAME)}")

@@ -179,9 +179,13 @@ def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, 
     if not isinstance(config, (str, os.PathLike)):
         raise TypeError(f"llama_layout config must be a dict, a preset name or a path, got {config!r}")
     path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+        found = path.is_file()
+    except OSError:  # e.g. a name too long to be a path
+        found = False
+    if not found:
         raise ValueError(f"llama_layout: {str(config)!r} is neither a preset ({', '.join(PRESETS)}) "
                          f"nor an existing config.json file or model directory")
     with open(path, encoding="utf-8") as f:

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .dtypes import DType, bf16, fp32, fp64
 from .stream import StreamLike, stream_handle
 from .tensor import Tensor
@@ -19,7 +21,7 @@ Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed on
 SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
 NORM_OUT_DTYPES = (fp32, fp64)
 _U64 = 1 << 64
-_INF = math.inf
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _tensor(t: Any, what: str) -> Tensor:
@@ -55,21 +57,31 @@ def _overlap(x: Tensor, y: Tensor) -> bool:
     return x._offset < y._offset + y.nbytes and y._offset < x._offset + x.nbytes
 
 
-def check_seed(seed: Any, index_offset: Any) -> tuple[int, int]:
-    """Validate a 64-bit seed and a non-negative element index offset."""
+def check_seed(seed: Any, index_offset: Any, n: int = 0) -> tuple[int, int]:
+    """Validate a 64-bit seed and an element index offset of a tensor of ``n`` elements (every
+    noise index ``index_offset + i`` must fit 64 bits)."""
     for v, what in ((seed, "seed"), (index_offset, "index_offset")):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{what} must be an int, got {type(v).__name__}")
     if not 0 <= seed < _U64:
         raise ValueError(f"seed {seed} outside [0, 2**64)")
-    if not 0 <= index_offset < _U64:
-        raise ValueError(f"index_offset {index_offset} outside [0, 2**64)")
+    if not (0 <= index_offset and index_offset + n <= _U64 and index_offset < _U64):
+        raise ValueError(f"index_offset {index_offset} outside [0, 2**64 - {n}] for {n} elements")
     return seed, index_offset
 
 
+def check_accumulate(accumulate: Any) -> bool:
+    if not (isinstance(accumulate, (bool, np.bool_)) or (type(accumulate) is int and accumulate in (0, 1))):
+        raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
+    return bool(accumulate)
+
+
 def check_scale(scale: Any) -> float:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    """A finite scale that float32 can hold (the kernels multiply in float32)."""
+    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and abs(float(scale)) <= _F32_MAX):
+        raise ValueError(f"scale must be finite in float32, got {scale!r}")
     return float(scale)
 
 
@@ -96,9 +108,10 @@ def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, inde
         raise ValueError(f"add_sr: dst {dst.name!r} may not overlap b {b.name!r}")
     if ad is aa and _overlap(dst, a) and (dst._offset != a._offset or dst.dtype is not a.dtype):
         raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
-    if type(seed) is not int or type(index_offset) is not int or not (0 <= seed < _U64 and 0 <= index_offset < _U64):
-        seed, index_offset = check_seed(seed, index_offset)
-    if type(scale) is not float or not -_INF < scale < _INF:
+    if (type(seed) is not int or type(index_offset) is not int
+            or not (0 <= seed < _U64 and 0 <= index_offset and index_offset + n <= _U64)):
+        seed, index_offset = check_seed(seed, index_offset, n)
+    if type(scale) is not float or not -_F32_MAX <= scale <= _F32_MAX:
         scale = check_scale(scale)
     return dev, scale, seed, index_offset
 
@@ -158,7 +171,7 @@ def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: 
     if _overlap(dst, src):
         raise ValueError(f"reduce_sr: dst {dst.name!r} may not overlap src {src.name!r}")
     _kernel_memory(dev, (dst, "dst"), (src, "src"))
-    seed, index_offset = check_seed(seed, index_offset)
+    seed, index_offset = check_seed(seed, index_offset, dst.numel)
     return dev, check_scale(scale), seed, index_offset
 
 
@@ -171,7 +184,7 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
     """
     h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
     dev, scale, seed, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, seed, index_offset)
-    dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, bool(accumulate), seed, index_offset, h)
+    dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), seed, index_offset, h)
 
 
 def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
@@ -179,7 +192,7 @@ def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scal
     """``reduce_sr`` checked and packed once; the returned ``f(seed, stream)`` queues it with
     that seed on ``stream`` (an int handle)."""
     dev, scale, _, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, 0, index_offset)
-    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, bool(accumulate), index_offset)
+    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), index_offset)
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
@@ -214,4 +227,4 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
         raise ValueError("norm_squared: out may not overlap x")
     _kernel_memory(dev, (x, "x"), (out, "out"))
     x.ptr, out.ptr  # raise on closed tensors before anything is queued
-    dev.kernels.norm_squared(x, out, bool(accumulate), h)
+    dev.kernels.norm_squared(x, out, check_accumulate(accumulate), h)

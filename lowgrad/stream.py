@@ -22,29 +22,32 @@ StreamLike = Any  # None | Stream | int | object with __cuda_stream__ / cuda_str
 _CU_STREAM_NON_BLOCKING = 1
 _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_ERROR_NOT_READY = 600
+_U64 = 1 << 64
 
 
 def stream_handle(s: StreamLike) -> int:
     """The raw stream handle (int) for any accepted stream argument; TypeError otherwise."""
+    if type(s) is int and 0 <= s < _U64:
+        return s
     if s is None:
         return 0
     if type(s) is int:
-        if s < 0:
-            raise ValueError(f"stream handle must be a non-negative int, got {s}")
-        return s
+        raise ValueError(f"stream handle must be an int in [0, 2**64), got {s}")
     h = getattr(s, "handle", None)
-    if type(h) is int:  # lowgrad Stream / HostStream
+    if type(h) is not int:
+        proto = getattr(s, "__cuda_stream__", None)
+        if proto is not None:
+            val = proto()
+            h = val[1] if isinstance(val, tuple) and len(val) == 2 else None
+        else:
+            h = getattr(s, "cuda_stream", None)
+    if type(h) is int and 0 <= h < _U64:
         return h
-    proto = getattr(s, "__cuda_stream__", None)
-    if proto is not None:
-        val = proto()
-        return int(val[1]) if isinstance(val, tuple) else int(val)
-    raw = getattr(s, "cuda_stream", None)
-    if type(raw) is int:
-        return raw
+    if type(h) is int:
+        raise ValueError(f"{type(s).__name__} gives the stream handle {h}, outside [0, 2**64)")
     raise TypeError(
-        f"expected a stream (None, lowgrad.Stream, int handle, or an object with __cuda_stream__/"
-        f"cuda_stream), got {type(s).__name__}"
+        f"expected a stream (None, lowgrad.Stream, int handle, or an object with __cuda_stream__() -> "
+        f"(version, handle) or a cuda_stream int), got {type(s).__name__}"
     )
 
 

@@ -31,6 +31,8 @@ def check_shape(shape: Any) -> tuple[int, ...]:
             raise TypeError(f"shape {shape!r}: dimensions must be ints")
         if d < 0:
             raise ValueError(f"shape {shape!r}: negative dimension")
+        if d >= 1 << 63:
+            raise ValueError(f"shape {shape!r}: dimension {d} does not fit int64")
     return tuple(int(d) for d in dims)
 
 
@@ -171,9 +173,11 @@ class Tensor:
 
 def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
     """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0."""
-    if not isinstance(world, int) or world < 1:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"shard_view needs a lowgrad Tensor, got {type(t).__name__}")
+    if type(world) is not int or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world:
+    if type(rank) is not int or not 0 <= rank < world:
         raise ValueError(f"rank {rank!r} outside [0, {world})")
     if not t.shape:
         raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")
