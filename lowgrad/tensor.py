@@ -18,6 +18,9 @@ from .errors import ClosedError
 from .memory import HOST_VISIBLE, Allocation
 
 
+_CUDA_VISIBLE = frozenset(("device", "pinned", "write_combined"))  # addressable by the GPU
+
+
 def check_shape(shape: Any) -> tuple[int, ...]:
     """Normalise a shape (int or sequence of ints) and reject negative or non-integer dims."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
@@ -141,10 +144,21 @@ class Tensor:
         return out
 
     # ---- interop -----------------------------------------------------------------------
+    def bitcast(self, dtype: DType | str) -> Tensor:
+        """The same bytes as another dtype (e.g. bf16 as fp16 or byte); the last dimension scales
+        by the ratio of the item sizes and must divide evenly."""
+        dt = as_dtype(dtype)
+        shape = self.shape or (1,)
+        last = shape[-1] * self.dtype.itemsize
+        if last % dt.itemsize:
+            raise ValueError(f"cannot bitcast tensor {self.name!r} of shape {self.shape} ({self.dtype.name}) to "
+                             f"{dt.name}: the last dimension's {last} bytes are not a multiple of {dt.itemsize}")
+        return Tensor(self._alloc, self._offset, dt, shape[:-1] + (last // dt.itemsize,), self.name)
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        if self.kind != "device":
-            raise AttributeError("__cuda_array_interface__ is provided by device tensors only")
+        if self.kind not in _CUDA_VISIBLE or getattr(self.device, "backend", "") != "cuda":
+            raise AttributeError("__cuda_array_interface__ is provided by CUDA device and pinned tensors only")
         return {"shape": self.shape, "typestr": self.dtype.typestr, "data": (self.ptr, False),
                 "strides": None, "version": 3}
 
@@ -160,9 +174,11 @@ class Tensor:
         return self._dl_device()
 
     def _dl_device(self) -> tuple[int, int]:
+        if getattr(self.device, "backend", "") != "cuda":  # the host backend: all CPU memory
+            return (dlpack.KDL_CPU, 0)
         if self.kind == "device":
             return (dlpack.KDL_CUDA, self.device.ordinal)
-        if self.kind in ("pinned", "write_combined") and getattr(self.device, "ordinal", None) is not None:
+        if self.kind in ("pinned", "write_combined"):
             return (dlpack.KDL_CUDA_HOST, 0)
         return (dlpack.KDL_CPU, 0)
 

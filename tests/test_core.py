@@ -194,3 +194,20 @@ def test_from_numpy_round_trip_every_dtype() -> None:
         arr = rng.standard_normal((5, 3)).astype(npd) if npd is not np.uint8 else rng.integers(0, 255, (5, 3), np.uint8)
         t = lg.from_numpy(arr, h, kind="device", name="rt")
         assert np.array_equal(t.numpy().view(np.uint8), arr.view(np.uint8))
+
+
+def test_bitcast_and_host_dlpack() -> None:
+    h = lg.HostDevice()
+    t = h.alloc((3, 4), lg.bf16, name="w")
+    t.numpy()[:] = 1.5
+    u = t.bitcast(lg.byte)
+    assert u.shape == (3, 8) and u.ptr == t.ptr
+    assert np.array_equal(u.numpy().view(lg.bf16.np), t.numpy())
+    assert t.bitcast("fp16").shape == (3, 4) and t.bitcast(lg.fp32).shape == (3, 2)
+    with pytest.raises(ValueError, match="bitcast"):
+        h.alloc(3, lg.bf16, name="odd").bitcast(lg.fp32)
+    assert t.__dlpack_device__() == (1, 0)  # host backend tensors are CPU memory for DLPack
+    arr = np.from_dlpack(h.alloc(5, lg.fp32, name="dl"))
+    assert arr.shape == (5,)
+    with pytest.raises(AttributeError):
+        t.__cuda_array_interface__

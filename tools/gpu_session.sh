@@ -1,6 +1,29 @@
-set -o pipefail; export PYTHONUNBUFFERED=1 PYTHONPATH=.
-python3 -m lowgrad doctor 2>&1 | tee $OUT/doctor.log
-python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -30 | tee $OUT/gpu_tests.log
-python3 tools/bench_kernels.py --json $OUT/bench_kernels.json > $OUT/bench_kernels.log 2>&1; tail -45 $OUT/bench_kernels.log
-python3 tools/bench_manager.py --json $OUT/bench_manager.json 2>&1 | tee $OUT/bench_manager.log | tail -12
-python3 -m lowgrad demo --json $OUT/demo.json 2>/dev/null | tee $OUT/demo.log
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one go (one device call): doctor, the GPU tests, the kernel,
+# manager and NCCL benchmarks, the demo, and the example LM trained through lowgrad (PyTorch and
+# CuPy engines; SR bf16 vs fp32 vs round-to-nearest bf16 accumulation) with its loss plot.
+# Outputs go to $OUT/run/ and are packed into $OUT/results.tar (the plot also as $OUT/losses.png).
+#   bash tools/gpu_session.sh            (from the repository root; PYTHONPATH=. is set here)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0
+R=${OUT:-.}/run
+mkdir -p "$R/lm"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"; }
+step doctor 120 python3 -m lowgrad doctor; cat "$R/doctor.log"
+step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider; tail -4 "$R/gpu_tests.log"
+step bench_kernels 200 python3 tools/bench_kernels.py --json "$R/bench_kernels.json"; tail -32 "$R/bench_kernels.log"
+step bench_manager 200 python3 tools/bench_manager.py --json "$R/bench_manager.json"; tail -9 "$R/bench_manager.log"
+step bench_manager_only 120 python3 tools/bench_manager.py --manager-only --strategies scatter_reduce,all_to_all \
+  --json "$R/bench_manager_only.json"; tail -5 "$R/bench_manager_only.log"
+step nccl_bench 150 python3 tools/nccl_bench.py --max-bytes 256M --dtypes bf16 --json "$R/nccl_bench.json"
+tail -22 "$R/nccl_bench.log"
+step demo 200 python3 -m lowgrad demo --json "$R/demo.json"; grep -v '^\[' "$R/demo.log" | head -8
+LM=(--hidden 256 --layers 4 --embed 32 --batch 256 --micro-steps 8 --steps 100 --lr 5e-3 --weight-decay 0.1 --log-every 50)
+for run in "torch_sr_bf16 --backend torch" "torch_fp32 --backend torch --accum fp32" \
+           "torch_rn_bf16 --backend torch --accum rn_bf16" "cupy_sr_bf16 --backend cupy"; do
+  set -- $run; name=$1; shift
+  step "lm_$name" 150 python3 examples/train_lm.py "$@" "${LM[@]}" --json "$R/lm/$name.json"; tail -2 "$R/lm_$name.log"
+done
+python3 examples/plot_losses.py "$R"/lm/*.json --out "${OUT:-.}/losses.png" > "$R/plot.log" 2>&1; tail -8 "$R/plot.log"
+tar -C "$R" -cf "${OUT:-.}/results.tar" .

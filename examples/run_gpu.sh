@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU examples in one go, on GPU 0 (and on two GPUs where there are two): every installed
+# array library (PyTorch, CuPy) x the accumulation modes and strategies, plus the numpy toy on
+# the host backend. Each run writes OUTDIR/NAME.json and NAME.log; at the end a table, a plot
+# (with matplotlib) and the checks: every loss falls below 0.8 x its start, and sr_bf16 ends
+# within 0.05 of fp32. Exit status 1 when a run failed or a check did not hold.
+#   bash examples/run_gpu.sh [OUTDIR]          (default: $OUT, else ./lm_runs)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUTDIR=${1:-${OUT:-lm_runs}}
+mkdir -p "$OUTDIR"
+# 347k parameters, 2048 examples per step. The text is small: the training loss goes far below the
+# held-out loss (memorisation); the comparisons are about the training curves.
+SIZE=(--hidden 256 --layers 4 --embed 32 --batch 256 --micro-steps 8 --steps 150 --lr 5e-3 --weight-decay 0.1 --log-every 25)
+fail=0
+
+run() {  # NAME ARGS...: one training run, bounded in time
+  local name=$1; shift
+  echo "== $name: $*"
+  if timeout 150 "$PY" examples/train_lm.py "$@" --json "$OUTDIR/$name.json" > "$OUTDIR/$name.log" 2>&1; then
+    tail -2 "$OUTDIR/$name.log"
+  else
+    echo "FAILED (exit $?)"; tail -30 "$OUTDIR/$name.log"; fail=1
+  fi
+}
+
+"$PY" -m lowgrad doctor 2>&1 | head -20
+gpus=$("$PY" -c "import lowgrad; print(lowgrad.device_count())" 2>/dev/null || echo 0)
+echo "GPUs: $gpus"
+run numpy_toy --backend numpy
+for b in torch cupy; do
+  if [ "$b" = torch ]; then probe="import torch, sys; sys.exit(not torch.cuda.is_available())"; else probe="import cupy"; fi
+  if ! "$PY" -c "$probe" > /dev/null 2>&1; then echo "== $b: not installed (or no CUDA build), skipped"; continue; fi
+  run "${b}_sr_bf16"          --backend "$b" "${SIZE[@]}"
+  run "${b}_fp32"             --backend "$b" "${SIZE[@]}" --accum fp32
+  run "${b}_rn_bf16"          --backend "$b" "${SIZE[@]}" --accum rn_bf16
+  run "${b}_unsharded_sr"     --backend "$b" "${SIZE[@]}" --strategy unsharded
+  run "${b}_a2a_offload"      --backend "$b" "${SIZE[@]}" --strategy all_to_all --offload
+  if [ "$gpus" -ge 2 ]; then
+    run "${b}_world2_sr"      --backend "$b" "${SIZE[@]}" --world 2
+    run "${b}_world2_rn"      --backend "$b" "${SIZE[@]}" --world 2 --accum rn_bf16
+  fi
+done
+
+shopt -s nullglob
+jsons=("$OUTDIR"/*.json)
+[ ${#jsons[@]} -gt 0 ] && "$PY" examples/plot_losses.py "${jsons[@]}" --out "$OUTDIR/losses.png"
+"$PY" - "$OUTDIR" <<'PYEOF' || fail=1
+import json, pathlib, sys
+runs = {f.stem: json.loads(f.read_text()) for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+end = {k: sum(r["loss"][-10:]) / len(r["loss"][-10:]) for k, r in runs.items()}
+bad = [k for k, r in runs.items() if not end[k] < 0.8 * r["loss"][0]]
+for b in ("torch", "cupy"):
+    if f"{b}_sr_bf16" in end and f"{b}_fp32" in end and abs(end[f"{b}_sr_bf16"] - end[f"{b}_fp32"]) > 0.05:
+        bad.append(f"{b}: sr_bf16 {end[f'{b}_sr_bf16']:.3f} vs fp32 {end[f'{b}_fp32']:.3f}")
+print(f"checks: {len(runs)} runs, " + ("all hold" if not bad else "FAILED: " + ", ".join(bad)))
+sys.exit(1 if bad else 0)
+PYEOF
+exit $fail
