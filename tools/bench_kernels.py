@@ -296,28 +296,16 @@ class Bench:
             for i in range(base, base + k_):
                 launch(grid, h, pa, pa, pb, 1.0, i, 0, n)
 
-        from cuda.bindings import driver as drv
-
-        cu_launch, func = drv.cuLaunchKernel, drv.CUfunction(k.func)
-        k.launch(grid, h, pa, pa, pb, 1.0, 0, 0, n)  # leaves valid arguments in k's buffer
-
-        def via_bindings(k_: int, base: int) -> None:  # the same launch through cuda.bindings
-            for _ in range(k_):
-                cu_launch(func, grid, 1, 1, 256, 1, 1, 0, h, k._params, 0)
-
         ops_s, bound_s, bare_s = timed(via_ops), timed(via_bound), timed(via_kernel)
-        bindings_s = timed(via_bindings)
         gpu_ms = self.time_ms([lambda: lg.ops.add_sr(a, a, b, seed=1, stream=s)], reps=200)
         ba.close(), bb.close()
         self.results["launch_us"] = ops_s * 1e6
         self.results["launch"] = {"elements": n, "calls": calls, "ops_add_sr_us": ops_s * 1e6,
                                   "bound_add_sr_us": bound_s * 1e6, "bare_kernel_launch_us": bare_s * 1e6,
-                                  "cuda_bindings_cuLaunchKernel_us": bindings_s * 1e6,
                                   "validation_us": (ops_s - bare_s) * 1e6, "gpu_kernel_us": gpu_ms * 1e3}
         print(f"launch overhead, host time with the GPU busy (add_sr, {n} elements, {calls} calls): "
               f"ops.add_sr {ops_s * 1e6:.2f} us/call, bound (ops.bind_add_sr) {bound_s * 1e6:.2f} us, bare "
-              f"Kernel.launch {bare_s * 1e6:.2f} us (validation {1e6 * (ops_s - bare_s):.2f} us), the same launch "
-              f"through cuda.bindings' cuLaunchKernel {bindings_s * 1e6:.2f} us; GPU time per "
+              f"Kernel.launch {bare_s * 1e6:.2f} us (validation {1e6 * (ops_s - bare_s):.2f} us); GPU time per "
               f"tiny kernel back to back {gpu_ms * 1e3:.2f} us", flush=True)
 
     # ---- NVRTC -------------------------------------------------------------------------------
