@@ -11,11 +11,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_installed_package_finds_its_kernels(tmp_path: Path) -> None:
+def test_installed_package_finds_its_kernels_and_subpackages(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["LOWGRAD_CACHE_DIR"] = str(tmp_path / "cache")
-    code = ("import lowgrad, lowgrad.compiler as c; print(lowgrad.__file__); print(c.kernel_dir()); "
-            "print(sorted(lowgrad.compile_kernels('sm_90')))")
+    code = ("import lowgrad, lowgrad.compiler as c, lowgrad.managers; print(lowgrad.__file__); "
+            "print(c.kernel_dir()); print(sorted(lowgrad.compile_kernels('sm_90')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     if out.returncode and "No module named 'lowgrad'" in out.stderr:
         pytest.skip("lowgrad is not installed in this interpreter (run from a source checkout)")
