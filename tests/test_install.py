@@ -14,7 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 def test_installed_package_finds_its_kernels_and_subpackages(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["LOWGRAD_CACHE_DIR"] = str(tmp_path / "cache")
-    code = ("import lowgrad, lowgrad.compiler as c, lowgrad.managers; print(lowgrad.__file__); "
+    modules = sorted(f"lowgrad.{p.stem}" for p in (REPO / "lowgrad").glob("*.py") if p.stem != "__main__")
+    modules += sorted(f"lowgrad.{p.parent.name}" for p in (REPO / "lowgrad").glob("*/__init__.py"))
+    code = (f"import importlib; [importlib.import_module(m) for m in {modules!r}]; "
+            "import lowgrad, lowgrad.compiler as c; print(lowgrad.__file__); "
             "print(c.kernel_dir()); print(sorted(lowgrad.compile_kernels('sm_90')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     if out.returncode and "No module named 'lowgrad'" in out.stderr:
