@@ -117,7 +117,7 @@ def _rank_job(comm: Any, args: argparse.Namespace, layout: Layout, pool: np.ndar
               offload: bool, bar: _Bar | None) -> dict[str, Any]:
     from .managers import create_gradient_manager
 
-    dev, rank, world = comm.device, comm.rank, comm.world
+    dev, rank = comm.device, comm.rank
     pool_dev = from_numpy(pool, dev, name="demo_pool")
     stream = dev.stream()
     gm = create_gradient_manager(layout, comm, strategy=strategy, offload=offload, dtype=bf16, seed=args.seed)
@@ -134,7 +134,7 @@ def _rank_job(comm: Any, args: argparse.Namespace, layout: Layout, pool: np.ndar
                 gm.notify_non_block(s.name, stream)
             for layer in reversed(range(layout.num_layers)):
                 dw, acc = gm.block_full(layer, stream)
-                for i, (name, t) in enumerate(dw.items()):
+                for i, (_, t) in enumerate(dw.items()):
                     _engine_write(t, acc, pool_dev, _pool_offsets(rank, m, layer, i), _ENGINE_SEED + m, stream)
                 gm.notify_block(layer, stream)
             gm.end_micro_step(stream)

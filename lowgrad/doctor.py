@@ -128,7 +128,8 @@ def _pinned_bandwidth() -> str:
         e1.record(s)
         e1.synchronize()
         out.append(f"{what} {3 * n / (e0.elapsed_ms(e1) / 1e3) / 1e9:.1f} GB/s")
-    dev.close(), pin.close(), s.close()
+    for x in (dev, pin, s):
+        x.close()
     return ", ".join(out) + " (pinned, 256 MiB copies)"
 
 

@@ -90,7 +90,8 @@ def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, inde
     """add_sr's checks (the common case inline: this is the launch hot path; anything unusual
     goes through the descriptive checks). Returns (device, scale, seed, index_offset)."""
     if type(dst) is not Tensor or type(a) is not Tensor or type(b) is not Tensor:
-        _tensor(dst, "dst"), _tensor(a, "a"), _tensor(b, "b")
+        for t, what in ((dst, "dst"), (a, "a"), (b, "b")):
+            _tensor(t, what)
     ad, aa, ab = dst._alloc, a._alloc, b._alloc
     dev = ad.device
     n = dst.numel
@@ -158,8 +159,10 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], scale: fl
 def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, seed: Any,
                      index_offset: Any) -> tuple[Any, float, int, int]:
     """reduce_sr's checks; returns (device, scale, seed, index_offset)."""
-    _tensor(dst, "dst"), _tensor(src, "src")
-    _dtype_in(dst, "dst", SR_DTYPES), _dtype_in(src, "src", SR_DTYPES)
+    _tensor(dst, "dst")
+    _tensor(src, "src")
+    _dtype_in(dst, "dst", SR_DTYPES)
+    _dtype_in(src, "src", SR_DTYPES)
     dev = _same_device(dst, (src, "src"))
     if not isinstance(n_shards, int) or isinstance(n_shards, bool) or n_shards < 1:
         raise ValueError(f"n_shards must be a positive int, got {n_shards!r}")
@@ -207,7 +210,8 @@ def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
 def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
     """Copy ``src`` into ``dst`` (same dtype and element count; device, pinned or host memory in
     any direction) on ``stream``."""
-    _tensor(dst, "dst"), _tensor(src, "src")
+    _tensor(dst, "dst")
+    _tensor(src, "src")
     dst.device.copy(dst, src, stream)
 
 
@@ -218,13 +222,16 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     accumulation type. Deterministic for a given device and size.
     """
     h = stream_handle(stream)
-    _tensor(x, "x"), _tensor(out, "out")
-    _dtype_in(x, "x", SR_DTYPES), _dtype_in(out, "out", NORM_OUT_DTYPES)
+    _tensor(x, "x")
+    _tensor(out, "out")
+    _dtype_in(x, "x", SR_DTYPES)
+    _dtype_in(out, "out", NORM_OUT_DTYPES)
     dev = _same_device(out, (x, "x"))
     if out.numel != 1:
         raise ValueError(f"norm_squared: out {out.name!r} must hold one element, has shape {out.shape}")
     if _overlap(x, out):
         raise ValueError("norm_squared: out may not overlap x")
     _kernel_memory(dev, (x, "x"), (out, "out"))
-    x.ptr, out.ptr  # raise on closed tensors before anything is queued
+    x.ptr  # raise on closed tensors before anything is queued
+    out.ptr
     dev.kernels.norm_squared(x, out, check_accumulate(accumulate), h)

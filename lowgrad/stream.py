@@ -59,6 +59,7 @@ class Stream:
     """
 
     __slots__ = ("device", "handle", "priority", "_cu", "_owned", "_finalizer", "__weakref__")
+    _finalizer: weakref.finalize | None
 
     def __init__(self, device: Device, priority: int = 0) -> None:
         drv = _cuda.driver()
@@ -174,7 +175,8 @@ class Event:
         """Milliseconds from this event to ``end`` (both recorded with timing=True)."""
         if not (self.timing and end.timing):
             raise ValueError("elapsed_ms needs two events created with timing=True")
-        self._live(), end._live()
+        self._live()
+        end._live()
         return float(_cuda.check("cuEventElapsedTime", _cuda.driver().cuEventElapsedTime(self._cu, end._cu)))
 
     def close(self) -> None:

@@ -2,7 +2,6 @@
 state restore, misuse, memory."""
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import numpy as np

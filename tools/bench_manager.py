@@ -81,7 +81,7 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     pool = lg.from_numpy(bits.view(np.uint8), dev, name="bench_pool")
     events = [dev.event(timing=True) for _ in range(micro + 1)]
     per_step, host_ms = [], []
-    for step in range(steps):
+    for _ in range(steps):
         t_host = 0.0
         for m in range(micro):
             h0 = time.perf_counter()

@@ -157,6 +157,14 @@ class GradientManager(ABC):
             self._exchange_block(layer)
 
     @abstractmethod
+    def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
+        """Layer ``layer``'s gradient buffers for the engine and whether to add into them."""
+
+    @abstractmethod
+    def block_shard(self, layer: int, stream: StreamLike) -> Container:
+        """This rank's shards of layer ``layer``, ready on ``stream`` (between steps)."""
+
+    @abstractmethod
     def _exchange_block(self, layer: int) -> None:
         """Queue layer ``layer``'s exchange/accumulation on ``self.comm_stream``."""
 
