@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -170,26 +171,32 @@ class Communicator(CommBase):
         afterwards slot (rank+d-1)%world holds rank (rank-d)%world's slot ``rank`` and slot
         ``all_to_all_skip()`` holds no peer data. The own slot must be consumed before.
         ``world - 1`` grouped send/recv steps in order on ``stream``; not allowed in group()."""
-        n = self._a2a_args(t)
+        self.all_to_all_many((t,), stream)
+
+    def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
+        """:meth:`all_to_all` of several buffers at once (a layer's gradients): the same
+        ``world - 1`` steps, each one NCCL group holding every buffer's send and recv."""
+        bufs = [(t.ptr, n, n * t.dtype.itemsize, t.dtype.nccl) for t, n in ((t, self._a2a_args(t)) for t in tensors)]
         h = self._stream(stream)
-        base, nbytes, dt = t.ptr, n * t.dtype.itemsize, t.dtype.nccl
         for send_peer, send_slot, recv_peer, recv_slot in all_to_all_schedule(self.rank, self.world):
             with self._lock:
                 self._live("all_to_all")
                 nccl.group_start()
                 try:
-                    nccl.send(base + send_slot * nbytes, n, dt, send_peer, self.handle, h)
-                    nccl.recv(base + recv_slot * nbytes, n, dt, recv_peer, self.handle, h)
+                    for base, n, nbytes, dt in bufs:
+                        nccl.send(base + send_slot * nbytes, n, dt, send_peer, self.handle, h)
+                        nccl.recv(base + recv_slot * nbytes, n, dt, recv_peer, self.handle, h)
                 finally:
                     rc = nccl.group_end()
             if rc:
                 self._settle("ncclGroupEnd", rc, self.timeout)
 
     # ---- groups ------------------------------------------------------------------------
-    def group(self, stream: StreamLike = None) -> Group:
+    def group(self, stream: StreamLike = None, event: Any = None) -> Group:
         """A grouped transaction on ``stream``: ``with comm.group(s) as g: comm.send(..);
-        comm.recv(..)`` launches once at exit, then records ``g.event`` on ``s``."""
-        return Group(self, self.device.resolve_stream(stream), self.device.event())
+        comm.recv(..)`` launches once at exit, then records ``g.event`` on ``s`` (``event``:
+        reuse this event instead of creating one, for hot paths)."""
+        return Group(self, self.device.resolve_stream(stream), event or self.device.event())
 
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -257,13 +258,19 @@ class HostCommunicator(CommBase):
         """The destructive all-to-all: slot k (numel/world elements) of ``t`` goes to rank k;
         afterwards slot (rank+d-1)%world holds rank (rank-d)%world's slot ``rank`` and slot
         ``all_to_all_skip()`` holds no peer data. The own slot must be consumed before."""
-        n = self._a2a_args(t)
+        self.all_to_all_many((t,), stream)
+
+    def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
+        """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps."""
+        ns = [self._a2a_args(t) for t in tensors]
         stream_handle(stream)
-        flat = t.numpy().reshape(-1)
-        self._agree("all_to_all", (t.dtype.name, t.numel, None), None)
+        flats = [t.numpy().reshape(-1) for t in tensors]
+        self._agree("all_to_all", tuple((t.dtype.name, t.numel) for t in tensors), None)
         for send_peer, send_slot, recv_peer, recv_slot in all_to_all_schedule(self.rank, self.world):
-            self.collective.post(self.rank, send_peer, "a2a", flat[send_slot * n:(send_slot + 1) * n].copy())
-            flat[recv_slot * n:(recv_slot + 1) * n] = self.collective.take(recv_peer, self.rank, "a2a", self.timeout)
+            for flat, n in zip(flats, ns):
+                self.collective.post(self.rank, send_peer, "a2a", flat[send_slot * n:(send_slot + 1) * n].copy())
+            for flat, n in zip(flats, ns):
+                flat[recv_slot * n:(recv_slot + 1) * n] = self.collective.take(recv_peer, self.rank, "a2a", self.timeout)
 
     def host_allgather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` in rank order, on every rank."""
@@ -282,10 +289,10 @@ class HostCommunicator(CommBase):
         self._check_open("wait")
 
     # ---- groups ------------------------------------------------------------------------
-    def group(self, stream: StreamLike = None) -> Group:
+    def group(self, stream: StreamLike = None, event: Any = None) -> Group:
         """A grouped transaction (see :class:`~lowgrad.collective.Group`); on the host the calls
-        run at exit, sends first, and ``event`` is complete."""
-        return Group(self, self.device.resolve_stream(stream), self.device.event())
+        run at exit, sends first, and ``event`` (or the one passed in) is complete."""
+        return Group(self, self.device.resolve_stream(stream), event or self.device.event())
 
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)

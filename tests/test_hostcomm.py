@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -323,3 +324,27 @@ def test_exception_inside_group_after_scheduling_aborts():
             c0.send(tensor(c0, np.ones(2, np.float32)), 1)
             raise KeyError("user error")
     assert c0.aborted
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_to_all_many_equals_one_call_per_buffer(world: int) -> None:
+    """Several buffers in one schedule land exactly where separate all_to_all calls put them."""
+    shapes = [(world * 3,), (world * 2, 5), (world,)]
+
+    def fill(rank: int, i: int, shape: tuple[int, ...]) -> np.ndarray:
+        return (np.arange(int(np.prod(shape)), dtype=np.float32) + 1000 * rank + 100 * i).reshape(shape)
+
+    def job(comm: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        dev = comm.device
+        many = [lg.from_numpy(fill(comm.rank, i, s), dev, name=f"m{i}") for i, s in enumerate(shapes)]
+        one = [lg.from_numpy(fill(comm.rank, i, s), dev, name=f"o{i}") for i, s in enumerate(shapes)]
+        comm.all_to_all_many(many)
+        for t in one:
+            comm.all_to_all(t)
+        return [t.numpy().copy() for t in many], [t.numpy().copy() for t in one]
+
+    for many, one in lg.run_threads(world, job):
+        for a, b in zip(many, one):
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="divisible"):
+        lg.run_threads(2, lambda c: c.all_to_all_many([c.device.alloc(3, lg.fp32, name="odd")]))

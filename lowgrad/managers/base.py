@@ -65,6 +65,7 @@ class GradientManager(ABC):
         self._engine_done = self.device.event(name="engine_done")
         self._comm_done = self.device.event(name="comm_done")
         self._nb_done = self.device.event(name="non_block_done")
+        self._group_done = self.device.event(name="group_done")
         # protocol state
         self._in_micro = False
         self._micro = -1
@@ -219,12 +220,19 @@ class GradientManager(ABC):
         self._engine_done.record(stream)
         self.comm_stream.wait(self._engine_done)
         for name, t in self._nb_full.items():
-            if name in self._nb_touched:
-                if self.world > 1:  # world 1: the mean is the gradient
-                    self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
-            else:  # never produced this step: its gradient is zero
+            if name not in self._nb_touched:  # never produced this step: its gradient is zero
                 ops.fill_zero(t, self.comm_stream)
+        if self.world > 1:  # world 1: the mean is the gradient
+            self.reduce_scatter_all([t for name, t in self._nb_full.items() if name in self._nb_touched])
         self._nb_done.record(self.comm_stream)
+
+    def reduce_scatter_all(self, tensors: list[Tensor]) -> None:
+        """In-place average reduce-scatter of every tensor, as one NCCL group on the
+        communication stream (one launch for a layer instead of one per tensor)."""
+        if tensors:
+            with self.comm.group(self.comm_stream, event=self._group_done):
+                for t in tensors:
+                    self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
 
     def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
         """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on

@@ -62,8 +62,7 @@ class ShardedManager(GradientManager):
     def _exchange_block(self, layer: int) -> None:
         s, first = self.comm_stream, self._micro == 0
         if self.world > 1:  # the mean over one rank is the gradient itself
-            for full in self._buffers[layer % 2]:
-                self.comm.reduce_scatter(full, op="avg", stream=s)
+            self.reduce_scatter_all(self._buffers[layer % 2])
         self._add_own(layer, first)
         self._free[layer % 2].record(s)
         self._ready[layer].record(s)
@@ -108,8 +107,8 @@ class AllToAllManager(ShardedManager):
         self._add_own(layer, self._micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)
-            for i, (full, red) in enumerate(zip(self._buffers[layer % 2], self._red[layer])):
-                self.comm.all_to_all(full, stream=s)
+            self.comm.all_to_all_many(self._buffers[layer % 2], stream=s)  # the layer's buffers in W-1 steps
+            for i, red in enumerate(self._red[layer]):
                 red[last](seeds[i], h)
         self._free[layer % 2].record(s)
         self._ready[layer].record(s)

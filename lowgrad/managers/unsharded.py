@@ -34,8 +34,8 @@ class UnshardedManager(GradientManager):
 
     def _exchange_block(self, layer: int) -> None:
         if self.last_micro_step:
-            for t in self._full[layer] if self.world > 1 else ():  # world 1: the mean is the gradient
-                self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
+            if self.world > 1:  # world 1: the mean is the gradient
+                self.reduce_scatter_all(self._full[layer])
             self._done[layer].record(self.comm_stream)
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
