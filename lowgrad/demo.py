@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _cuda, ops
+from .bandwidth import copy_bandwidths
 from .dtypes import bf16
 from .layout import Layout, ParamSpec, llama_layout
 from .tensor import Tensor, from_numpy
@@ -191,22 +192,6 @@ def _bytes_per_micro(layout: Layout, strategy: str, world: int, first: bool) -> 
     return engine + manager
 
 
-def _copy_bandwidth(dev: Any) -> float:
-    """Bytes/s of a device-to-device copy (read + write), measured now."""
-    n = 1 << 28 if dev.backend == "cuda" else 1 << 24
-    a, b = dev.alloc(n, "byte", name="demo_bw"), dev.alloc(n, "byte", name="demo_bw")
-    ops.fill_zero(a)
-    ops.copy(b, a)
-    dev.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        ops.copy(b, a)
-    dev.synchronize()
-    dt = (time.perf_counter() - t) / 5
-    a.close(), b.close()
-    return 2 * n / dt
-
-
 def run(args: argparse.Namespace) -> int:
     from .bootstrap import run_threads
 
@@ -226,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     from .device import Device
     from .host import HostDevice
 
-    bw = _copy_bandwidth(Device(0) if backend == "cuda" else HostDevice())
+    bw_dev = Device(0) if backend == "cuda" else HostDevice()
+    bw = copy_bandwidths(bw_dev, 1 << 28 if backend == "cuda" else 1 << 24, pinned=False, reps=5)["d2d"]
     print(f"lowgrad demo: backend {backend}, world {world}, {layout.total_numel / 1e6:.1f}M parameters "
           f"({layout.num_layers} layers), {args.micro_steps} micro-steps x {args.steps} steps, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s")

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _cuda
 from .backend import DeviceBase
-from .memory import host_array
+from .memory import aligned_host_buffer, host_array
 from .stream import Event, Stream, StreamLike, stream_handle
 from .tensor import Tensor
 
@@ -157,10 +157,8 @@ class Device(DeviceBase):
             ptr = int(_cuda.check("cuMemAlloc", drv.cuMemAlloc(size)))
             return ptr, _Free(self, drv.cuMemFree, ptr), None
         if kind == "host":
-            buf = np.empty(size + 256, np.uint8)
-            base = buf.ctypes.data
-            start = (-base) % 256
-            return base + start, _noop, buf[start:start + nbytes]
+            ptr, view = aligned_host_buffer(nbytes)
+            return ptr, _noop, view
         flags = _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP
         if kind == "write_combined":
             flags |= _CU_MEMHOSTALLOC_WRITECOMBINED

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .backend import DeviceBase
+from .memory import aligned_host_buffer
 from .tensor import Tensor
 
 _HOST_LIMIT = 1 << 42
@@ -115,10 +116,8 @@ class HostDevice(DeviceBase):
         return _HOST_LIMIT
 
     def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Any, np.ndarray | None]:
-        buf = np.empty(nbytes + 256, np.uint8)
-        start = (-buf.ctypes.data) % 256
-        view = buf[start:start + nbytes]
-        return buf.ctypes.data + start, _noop, view
+        ptr, view = aligned_host_buffer(nbytes)
+        return ptr, _noop, view
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         d, s = dst.allocation.host_bytes(), src.allocation.host_bytes()

@@ -151,8 +151,7 @@ class CudaKernels:
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
         n = dst.numel
-        k = self._kernels.get(("add_sr", dst.dtype, a.dtype, b.dtype)) or \
-            self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
+        k = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
         p, pa, pb = dst.ptr, a.ptr, b.ptr
         if n:
             k.launch(self.grid(n), stream, p, pa, pb, scale, seed, index_offset, n)

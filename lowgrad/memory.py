@@ -160,6 +160,14 @@ def _release(free: Callable[[], None], registry: Registry, parts: dict[str, int]
     free()
 
 
+def aligned_host_buffer(nbytes: int) -> tuple[int, np.ndarray]:
+    """Plain (pageable) host memory of ``nbytes`` starting on an ALIGN boundary: (address, view);
+    the view keeps the numpy buffer alive."""
+    buf = np.empty(nbytes + ALIGN, np.uint8)
+    start = (-buf.ctypes.data) % ALIGN
+    return buf.ctypes.data + start, buf[start:start + nbytes]
+
+
 def host_array(ptr: int, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy array over raw host memory at ``ptr`` (no copy, no ownership)."""
     if nbytes == 0:

@@ -25,42 +25,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
+from lowgrad.bandwidth import copy_bandwidths  # noqa: E402
 from lowgrad.dtypes import byte  # noqa: E402
 from lowgrad.memory import align_up  # noqa: E402
 from lowgrad.tensor import Tensor  # noqa: E402
 
 RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
         ("all_to_all", True))
-
-
-def timed_copy(dev: Any, dst: Tensor, src: Tensor, reps: int = 10) -> float:
-    """Median seconds of ops.copy(dst, src), CUDA events."""
-    s = dev.stream()
-    e0, e1 = dev.event(timing=True), dev.event(timing=True)
-    lg.ops.copy(dst, src, stream=s)
-    times = []
-    for _ in range(reps):
-        e0.record(s)
-        lg.ops.copy(dst, src, stream=s)
-        e1.record(s)
-        e1.synchronize()
-        times.append(e0.elapsed_ms(e1) / 1e3)
-    return statistics.median(times)
-
-
-def ceilings(dev: Any) -> dict[str, float]:
-    """Device-to-device copy bandwidth (read + write) and pinned H2D / D2H bandwidths, bytes/s."""
-    n = 1 << 31 if dev.backend == "cuda" else 1 << 26
-    a, b = dev.alloc(n, byte, name="bench_bw"), dev.alloc(n, byte, name="bench_bw")
-    lg.ops.fill_zero(a)
-    d2d = 2 * n / timed_copy(dev, b, a)
-    m = n // 2
-    p = dev.alloc(m, byte, kind="pinned", name="bench_bw")
-    h2d = m / timed_copy(dev, a.view(0, m), p)
-    d2h = m / timed_copy(dev, p, a.view(0, m))
-    for t in (a, b, p):
-        t.close()
-    return {"d2d": d2d, "h2d": h2d, "d2h": d2h}
 
 
 def span(tensors: list[Tensor]) -> Tensor:
@@ -90,7 +61,7 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             for s in layout.non_block:
                 t, _ = gm.non_block_full(s.name, stream)
                 if engine_writes:
-                    lg.ops.copy(as_bytes(t), pool.view(0, t.nbytes), stream)
+                    lg.ops.copy(t.flat().bitcast(byte), pool.view(0, t.nbytes), stream)
                 gm.notify_non_block(s.name, stream)
             for layer in reversed(range(layout.num_layers)):
                 dw, _ = gm.block_full(layer, stream)
@@ -128,10 +99,6 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             "memory": rep}
 
 
-def as_bytes(t: Tensor) -> Tensor:
-    return Tensor(t.allocation, t._offset, byte, (t.nbytes,), t.name)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="Qwen2.5-1.5B", help="preset name or config.json")
@@ -147,7 +114,7 @@ def main() -> int:
     args = p.parse_args()
     layout = lg.llama_layout(args.config)
     dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
-    bw = ceilings(dev)
+    bw = copy_bandwidths(dev, 1 << 31 if args.backend == "cuda" else 1 << 26)
     print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
           f"world {args.world}, {args.backend}; copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")

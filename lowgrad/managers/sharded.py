@@ -43,7 +43,7 @@ class ShardedManager(GradientManager):
 
     def _bind(self) -> None:
         """Check and pack every per-layer launch once: own slices, SR adds (and reductions)."""
-        offsets = [self.shard_offset(s) for s in self.layout.block]
+        self._offsets = offsets = [self.shard_offset(s) for s in self.layout.block]
         self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
         self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
                                             zip(self._shards[l], self._own[l % 2], offsets)])
@@ -96,8 +96,7 @@ class AllToAllManager(ShardedManager):
 
     def _bind(self) -> None:
         super()._bind()
-        W, skip = self.world, (self.rank + self.world - 1) % self.world
-        offsets = [self.shard_offset(s) for s in self.layout.block]
+        W, skip, offsets = self.world, (self.rank + self.world - 1) % self.world, self._offsets
         self._red = [[[ops.bind_reduce_sr(sh, full, W, skip, scale, True, off) for scale in (1.0, 1.0 / W)]
                       for sh, full, off in zip(self._shards[l], self._buffers[l % 2], offsets)]
                      for l in range(self.layout.num_layers)] if W > 1 else []
