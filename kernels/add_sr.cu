@@ -54,25 +54,75 @@ ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, f32, float)
 ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
 
 // ---- multi-tensor add_sr: one launch for up to MULTI_MAX tensors (a layer's gradients) ----------
-// Tensor t owns blocks [first_block[t], first_block[t + 1]) and runs exactly the single-tensor
-// loop on them, with its own seed and index offset: results equal separate add_sr launches.
-enum : u32 { MULTI_MAX = 16 };
+// Results equal separate add_sr launches (noise depends on the element index only). Tensor t's
+// seed is seed[t], or with a counter the per-use seed of (layer, lane = seed[t]) read when the
+// kernel runs. Two launch shapes (tools/bench_layer.py measures them):
+// - add_sr_multi_*: tensor t owns blocks [first[t], first[t + 1]) and runs the single-tensor
+//   grid-stride loop on them;
+// - add_sr_chunks_*: a persistent grid strides over chunks of CHUNK_THREADS * U groups of 8;
+//   tensor t owns chunks [first[t], first[t + 1]).
+enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256 };
 
-struct MultiAddSr {  // passed by value (__grid_constant__): 848 bytes of kernel parameters
+struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel parameters
   u64 dst[MULTI_MAX], a[MULTI_MAX], b[MULTI_MAX], seed[MULTI_MAX], offset[MULTI_MAX], n[MULTI_MAX];
-  u32 first_block[MULTI_MAX + 1];
+  u32 first[MULTI_MAX + 1];
   u32 count;
   float scale;
+  const SeedCounter* counter;  // null: seed[t] is the seed
+  u32 layer;
 };
 
+// Every tensor's seed in shared memory (all threads of the block call this).
+__device__ __forceinline__ void multi_seeds(const MultiAddSr& m, u64 (&seeds)[MULTI_MAX]) {
+  if (threadIdx.x < m.count)
+    seeds[threadIdx.x] = m.counter ? counter_seed(m.counter, m.layer, (u32)m.seed[threadIdx.x]) : m.seed[threadIdx.x];
+  __syncthreads();
+}
+
+template <typename D, typename A, typename B>
+__device__ __forceinline__ AddSr<D, A, B> multi_item(const MultiAddSr& m, const u64 (&seeds)[MULTI_MAX], u32 t) {
+  return AddSr<D, A, B>{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(seeds[t]), m.offset[t]};
+}
+
 template <typename D, typename A, typename B> __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
+  __shared__ u64 seeds[MULTI_MAX];
+  multi_seeds(m, seeds);
   const u32 blk = blockIdx.x;
   u32 t = 0;
-  while (t + 1 < m.count && blk >= m.first_block[t + 1]) ++t;
-  const u32 b0 = m.first_block[t];
-  AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(m.seed[t]), m.offset[t]};
-  for_each_group_in<ADD_UNROLL>(f, m.n[t], aligned16(m.dst[t] | m.a[t] | m.b[t]), blk - b0,
-                                m.first_block[t + 1] - b0);
+  while (t + 1 < m.count && blk >= m.first[t + 1]) ++t;
+  const u32 b0 = m.first[t];
+  AddSr<D, A, B> f = multi_item<D, A, B>(m, seeds, t);
+  for_each_group_in<ADD_UNROLL>(f, m.n[t], aligned16(m.dst[t] | m.a[t] | m.b[t]), blk - b0, m.first[t + 1] - b0);
+}
+
+template <int U, typename D, typename A, typename B> __device__ __forceinline__ void add_sr_chunks(const MultiAddSr& m) {
+  __shared__ u64 seeds[MULTI_MAX];
+  multi_seeds(m, seeds);
+  const u32 total = m.first[m.count];
+  u32 t = 0;
+  for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
+    while (c >= m.first[t + 1]) ++t;
+    AddSr<D, A, B> f = multi_item<D, A, B>(m, seeds, t);
+    const u64 n = m.n[t], full = n >> 3;
+    const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
+    const bool vec = aligned16(m.dst[t] | m.a[t] | m.b[t]);
+    if (vec && g + (U - 1) * CHUNK_THREADS < full) {
+      u64 e[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) e[u] = 8 * (g + u * CHUNK_THREADS);
+      f.template run<U, true>(e, 8u);
+    } else {
+      for (int u = 0; u < U; ++u) {
+        const u64 q = g + u * CHUNK_THREADS, e[1] = {8 * q};
+        if (q < full) {
+          if (vec) f.template run<1, true>(e, 8u);
+          else f.template run<1, false>(e, 8u);
+        } else if (q == full && (n & 7u)) {
+          f.template run<1, false>(e, (u32)(n & 7u));
+        }
+      }
+    }
+  }
 }
 
 #define ADD_SR_MULTI_KERNEL(DN, D, AN, A, BN, B)                                                        \
@@ -85,3 +135,13 @@ ADD_SR_MULTI_KERNEL(f32, float, f32, float, f32, float)
 ADD_SR_MULTI_KERNEL(f32, float, f32, float, bf16, bf16_t)
 ADD_SR_MULTI_KERNEL(bf16, bf16_t, bf16, bf16_t, f32, float)
 ADD_SR_MULTI_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
+
+#define ADD_SR_CHUNKS_KERNEL(UN, MINB)                                                                  \
+  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, MINB)                                    \
+  add_sr_chunks##UN##_##MINB(const __grid_constant__ MultiAddSr m) {                                   \
+    add_sr_chunks<UN, bf16_t, bf16_t, bf16_t>(m);                                                      \
+  }
+ADD_SR_CHUNKS_KERNEL(2, 1)
+ADD_SR_CHUNKS_KERNEL(4, 1)
+ADD_SR_CHUNKS_KERNEL(2, 4)
+ADD_SR_CHUNKS_KERNEL(8, 1)

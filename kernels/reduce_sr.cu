@@ -1,6 +1,6 @@
 // dst = SR(((accumulate ? dst : +0) + sum over k != skip of src[k]) * scale), summed in float32 in
 // shard order; src holds n_shards consecutive blocks of n elements. Element i uses the noise of
-// index index_offset + i.
+// index index_offset + i; with a counter the seed is the per-use seed of (layer, lane) (sr.cuh).
 #include "sr.cuh"
 
 // Measured best on H200 (bf16, 8 shards): 2 groups of 8 per thread and iteration, 128 bytes of
@@ -68,7 +68,9 @@ template <typename D, typename S> struct ReduceSr {
 
 template <typename D, typename S>
 __device__ __forceinline__ void reduce_sr(D* __restrict__ dst, const S* __restrict__ src, u32 n_shards, int skip,
-                                          float scale, int accumulate, u64 seed, u64 index_offset, u64 n) {
+                                          float scale, int accumulate, u64 seed, u64 index_offset, u64 n,
+                                          const SeedCounter* counter, u32 layer, u32 lane) {
+  seed = block_seed(seed, counter, layer, lane);
   const bool skipping = skip >= 0 && (u32)skip < n_shards;
   ReduceSr<D, S> f{dst, src, n_shards - (skipping ? 1u : 0u), skipping ? (u32)skip : 0xffffffffu, scale, accumulate,
                    sr_key(seed), index_offset, n};
@@ -79,8 +81,9 @@ __device__ __forceinline__ void reduce_sr(D* __restrict__ dst, const S* __restri
 #define REDUCE_SR_KERNEL(DN, D, SN, S)                                                                  \
   extern "C" __global__ void __launch_bounds__(256, REDUCE_MIN_BLOCKS)                                                    \
   reduce_sr_##DN##_##SN(D* __restrict__ dst, const S* __restrict__ src, u32 n_shards, int skip, float scale, \
-                        int accumulate, u64 seed, u64 index_offset, u64 n) {                           \
-    reduce_sr<D, S>(dst, src, n_shards, skip, scale, accumulate, seed, index_offset, n);               \
+                        int accumulate, u64 seed, u64 index_offset, u64 n, const SeedCounter* counter,   \
+                        u32 layer, u32 lane) {                                                          \
+    reduce_sr<D, S>(dst, src, n_shards, skip, scale, accumulate, seed, index_offset, n, counter, layer, lane); \
   }
 
 REDUCE_SR_KERNEL(f32, float, f32, float)

@@ -29,6 +29,29 @@ __device__ __forceinline__ uint4 sr_words(uint2 key, u64 g) {
   return philox4x32_10(make_uint4((u32)g, (u32)(g >> 32), 0u, 0u), key);
 }
 
+// The seed state of a gradient manager in device memory, read by the SR kernels when they run (so
+// that a replayed CUDA graph draws fresh noise): DESIGN.md's per-use seed of (layer, lane =
+// 2 * tensor + phase) at the counter's step and micro-step. kernels/seed_counter.cu updates it.
+struct SeedCounter {
+  u64 base;
+  u32 step, micro;
+};
+
+__device__ __forceinline__ u64 counter_seed(const SeedCounter* c, u32 layer, u32 lane) {
+  const uint4 w = philox4x32_10(make_uint4(c->step, c->micro, layer, lane), sr_key(c->base));
+  return (u64)w.x | (u64)w.y << 32;
+}
+
+// `seed`, or with a counter its per-use seed of (layer, lane): computed once per block (all threads
+// of the block must call this).
+__device__ __forceinline__ u64 block_seed(u64 seed, const SeedCounter* counter, u32 layer, u32 lane) {
+  if (!counter) return seed;
+  __shared__ u64 s;
+  if (threadIdx.x == 0) s = counter_seed(counter, layer, lane);
+  __syncthreads();
+  return s;
+}
+
 __device__ __forceinline__ u32 sel4(u32 h, u32 a, u32 b, u32 c, u32 d) {
   return h < 2u ? (h ? b : a) : (h == 2u ? c : d);
 }

@@ -35,6 +35,9 @@ _LAZY = {
     "Layout": ("layout", "Layout"),
     "llama_layout": ("layout", "llama_layout"),
     "create_gradient_manager": ("managers", "create_gradient_manager"),
+    "Graph": ("graph", "Graph"),
+    "SeedCounter": ("seedcounter", "SeedCounter"),
+    "use_seed": ("seeds", "use_seed"),
 }
 
 

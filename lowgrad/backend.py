@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import trace
+from . import capture, trace
 from .dtypes import DType, as_dtype
 from .memory import Allocation, LazyAllocator, MemoryReport, Registry, check_kind, check_nbytes
 from .stream import StreamLike, stream_handle
@@ -47,6 +47,7 @@ class DeviceBase(ABC):
         return LazyAllocator(self, kind)
 
     def _bind(self, a: Allocation, nbytes: int) -> None:
+        capture.forbid(f"allocating {', '.join(a.parts)!r}")
         check_nbytes(nbytes, self.memory_limit(a.kind), f"allocation {', '.join(a.parts)!r}")
         ptr, free, host = self._raw_alloc(a.kind, nbytes)
         a.bind(ptr, free, host)
@@ -70,7 +71,10 @@ class DeviceBase(ABC):
     def copy(self, dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
         """Asynchronous copy of ``src`` into ``dst`` (same dtype and element count) on ``stream``."""
         check_copy(self, dst, src)
+        if "host" in (dst.kind, src.kind):
+            capture.forbid(f"a copy through pageable host memory ({src.name!r} -> {dst.name!r})")
         h = stream_handle(stream)
+        capture.keep_tensors(dst, src)
         self._copy(dst, src, h)
         if trace.ENABLED:
             trace.log("copy", f"{src.kind}->{dst.kind}", bytes=dst.nbytes, dst=dst.name, src=src.name, stream=hex(h))

@@ -25,7 +25,7 @@ from typing import Any
 from .dtypes import DType, as_dtype, bf16, fp32, fp64
 from .errors import NvrtcError
 
-MODULES: tuple[str, ...] = ("add_sr", "reduce_sr", "fill_zero", "norm_squared", "philox_kat")
+MODULES: tuple[str, ...] = ("add_sr", "reduce_sr", "fill_zero", "norm_squared", "philox_kat", "seed_counter")
 BASE_OPTIONS: tuple[str, ...] = ("-default-device", "--std=c++17", "--dopt=on", "--ptxas-options=-O3",
                                  "--ftz=false")
 _MAGIC = b"LGCUBIN1"  # cache file: magic, sha256 of the payload, payload
@@ -53,15 +53,16 @@ class KernelSpec:
 
 _u64, _u32, _i32, _f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_float
 ADD_SR_ARGS = (_u64, _u64, _u64, _f32, _u64, _u64, _u64)  # dst, a, b, scale, seed, index_offset, n
-REDUCE_SR_ARGS = (_u64, _u64, _u32, _i32, _f32, _i32, _u64, _u64, _u64)  # dst, src, n_shards, skip, scale,
-#                                                          accumulate, seed, index_offset, n
+REDUCE_SR_ARGS = (_u64, _u64, _u32, _i32, _f32, _i32, _u64, _u64, _u64, _u64, _u32, _u32)  # dst, src, n_shards,
+#                        skip, scale, accumulate, seed, index_offset, n, counter (0: none), layer, lane
 FILL_ZERO_ARGS = (_u64, _u64)  # dst, nbytes
 NORM_ARGS = (_u64, _u64, _u64)  # x, n, partials
 NORM_FINISH_ARGS = (_u64, _u32, _u64, _i32)  # partials, n_partials, out, accumulate
 PHILOX_KAT_ARGS = (_u64, _u64, _u64, _u64)  # ctr (n x 4 u32), key (n x 2 u32), out (n x 4 u32), n
 MULTI_MAX = 16  # tensors per multi-tensor launch (kernels/add_sr.cu)
-# struct MultiAddSr: dst, a, b, seed, offset, n (MULTI_MAX each), first_block[MULTI_MAX + 1], count, scale
-ADD_SR_MULTI_ARGS = (_u64,) * (6 * MULTI_MAX) + (_u32,) * (MULTI_MAX + 1) + (_u32, _f32)
+# struct MultiAddSr: dst, a, b, seed, offset, n (MULTI_MAX each), first[MULTI_MAX + 1], count, scale, counter, layer
+ADD_SR_MULTI_ARGS = (_u64,) * (6 * MULTI_MAX) + (_u32,) * (MULTI_MAX + 1) + (_u32, _f32, _u64, _u32)
+SEED_COUNTER_ARGS = (_u64, _u32, _u64, _u32)  # counter, op, base, step
 _TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}
 
 
@@ -76,9 +77,12 @@ def _all_specs() -> dict[str, KernelSpec]:
     sr = ("f32", "bf16")
     specs = [KernelSpec("add_sr", f"add_sr_{d}_{a}_{b}", ADD_SR_ARGS) for d in sr for a in sr for b in sr]
     specs += [KernelSpec("add_sr", f"add_sr_multi_{d}_{d}_{b}", ADD_SR_MULTI_ARGS, struct=True) for d in sr for b in sr]
+    specs += [KernelSpec("add_sr", f"add_sr_chunks{u}_{mb}", ADD_SR_MULTI_ARGS, struct=True)
+              for u, mb in ((2, 1), (4, 1), (2, 4), (8, 1))]
     specs += [KernelSpec("reduce_sr", f"reduce_sr_{d}_{s}", REDUCE_SR_ARGS) for d in sr for s in sr]
     specs += [KernelSpec("fill_zero", "fill_zero_u8", FILL_ZERO_ARGS),
-              KernelSpec("philox_kat", "philox_kat", PHILOX_KAT_ARGS)]
+              KernelSpec("philox_kat", "philox_kat", PHILOX_KAT_ARGS),
+              KernelSpec("seed_counter", "seed_counter", SEED_COUNTER_ARGS)]
     specs += [KernelSpec("norm_squared", f"norm_squared_{t}_{acc}", NORM_ARGS) for t in sr for acc in ("f32", "f64")]
     specs += [KernelSpec("norm_squared", f"norm_squared_finish_{acc}", NORM_FINISH_ARGS) for acc in ("f32", "f64")]
     return {s.symbol: s for s in specs}
@@ -87,6 +91,7 @@ def _all_specs() -> dict[str, KernelSpec]:
 KERNELS: dict[str, KernelSpec] = _all_specs()
 FILL_ZERO: KernelSpec = KERNELS["fill_zero_u8"]
 PHILOX_KAT: KernelSpec = KERNELS["philox_kat"]
+SEED_COUNTER: KernelSpec = KERNELS["seed_counter"]
 
 
 def add_sr_spec(dst_dtype: Any, a_dtype: Any, b_dtype: Any) -> KernelSpec:

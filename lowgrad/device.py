@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
+from . import _cuda, capture
 from .backend import DeviceBase
 from .memory import aligned_host_buffer, host_array
 from .stream import Event, Stream, StreamLike, stream_handle
@@ -69,6 +69,7 @@ class Device(DeviceBase):
 
     def synchronize(self) -> None:
         """Block the host until all work on this device is done."""
+        capture.forbid("Device.synchronize (a host sync)")
         self.activate()
         _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
 
@@ -139,6 +140,7 @@ class Device(DeviceBase):
     def kernels(self) -> Any:
         """This device's compiled kernels (compiled or loaded from the cache at first use)."""
         if self._kernels is None:
+            capture.forbid("compiling and loading lowgrad's kernels (first kernel use on this device)")
             from .launch import CudaKernels
             self._kernels = CudaKernels(self)
         return self._kernels
@@ -174,11 +176,13 @@ class Device(DeviceBase):
             _cuda.check("cuMemcpyAsync", _cuda.driver().cuMemcpyAsync(dst.ptr, src.ptr, dst.nbytes, stream))
 
     def copy_to_host(self, out: np.ndarray, src: Tensor) -> None:
+        capture.forbid(f"reading {src.name!r} to the host (a host sync)")
         self.synchronize()
         if src.nbytes:
             _cuda.check("cuMemcpyDtoH", _cuda.driver().cuMemcpyDtoH(out.ctypes.data, src.ptr, src.nbytes))
 
     def copy_from_host(self, dst: Tensor, arr: np.ndarray) -> None:
+        capture.forbid(f"writing {dst.name!r} from the host (a host sync)")
         self.synchronize()
         if dst.nbytes:
             _cuda.check("cuMemcpyHtoD", _cuda.driver().cuMemcpyHtoD(dst.ptr, arr.ctypes.data, dst.nbytes))

@@ -2,11 +2,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from . import reference
+from .seedcounter import COUNTER_DTYPE, apply_op
 from .tensor import Tensor
+
+
+def _seeds(seeds: Any, count: int) -> list[int]:
+    """Seeds fixed at bind time, or those of a ``(counter, layer, lane(s))`` right now."""
+    if isinstance(seeds, tuple):
+        counter, layer, lanes = seeds
+        return counter.host_seeds(layer, list(lanes) if isinstance(lanes, (list, tuple)) else [lanes] * count)
+    return list(seeds) if isinstance(seeds, (list, tuple)) else [seeds]
 
 
 class HostKernels:
@@ -26,17 +36,20 @@ class HostKernels:
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float
-                          ) -> Callable[[list[int], int], None]:
-        def run(seeds: list[int], stream: int) -> None:
-            for (dst, a, b, off), seed in zip(items, seeds):
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: Any,
+                          shape: str = "blocks", blocks: int | None = None) -> Callable[[int], None]:
+        def run(stream: int) -> None:
+            for (dst, a, b, off), seed in zip(items, _seeds(seeds, len(items))):
                 self.add_sr(dst, a, b, scale, seed, off, stream)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int) -> Callable[[int, int], None]:
-        return lambda seed, stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, seed, index_offset,
-                                                   stream)
+                       index_offset: int, seed: Any) -> Callable[[int], None]:
+        return lambda stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, _seeds(seed, 1)[0],
+                                             index_offset, stream)
+
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
+        apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _cuda, trace
-from .compiler import (FILL_ZERO, MULTI_MAX, PHILOX_KAT, KernelSpec, add_sr_multi_spec, add_sr_spec, compile_kernels,
-                       norm_squared_specs, reduce_sr_spec)
+from . import _cuda, capture, trace
+from .compiler import (FILL_ZERO, KERNELS, MULTI_MAX, PHILOX_KAT, SEED_COUNTER, KernelSpec, add_sr_multi_spec,
+                       add_sr_spec, compile_kernels, norm_squared_specs, reduce_sr_spec)
 from .dtypes import DType
 from .errors import ClosedError
 from .tensor import Tensor
@@ -83,30 +83,41 @@ class Kernel:
             trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), args=args)
 
     def pack(self, *args: Any) -> None:
-        """Fill the whole argument buffer (for kernels launched with :meth:`patch_launch`)."""
+        """Fill the argument buffer once, for a kernel object that only :meth:`launch_packed`."""
         with self._lock:
             self._pack(self._buf, 0, *args)
 
-    def patch_launch(self, grid: int, stream: int, patch: Any, offset: int, *values: Any) -> None:
-        """Overwrite part of the packed arguments (``patch``: a ``Struct.pack_into`` at byte
-        ``offset``) and launch; the rest stays as :meth:`pack` left it."""
-        with self._lock:
-            patch(self._buf, offset, *values)
-            err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+    def launch_packed(self, grid: int, stream: int) -> None:
+        """Launch with the arguments :meth:`pack` stored (never changed after, so no lock)."""
+        err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
         if err:
             raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
         if trace.ENABLED:
-            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), patched=values)
+            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), packed=True)
 
 
-_SEEDS = struct.Struct(f"={MULTI_MAX}Q")  # MultiAddSr.seed
-_SEED_OFFSET = 3 * MULTI_MAX * 8  # after dst, a, b
+SeedSource = Any  # seeds (int or list of ints) or (SeedCounter, layer, lane or lanes)
+
+
+def _seed_columns(seeds: SeedSource, count: int) -> tuple[int, int, list[int]]:
+    """(counter address or 0, layer, per-item seed or lane) for the kernels' seed arguments."""
+    if isinstance(seeds, tuple):
+        counter, layer, lanes = seeds
+        return counter.tensor.ptr, layer, list(lanes) if isinstance(lanes, (list, tuple)) else [lanes] * count
+    return 0, 0, list(seeds)
+
+
+def _counter_alloc(seeds: SeedSource) -> tuple[Any, ...]:
+    return (seeds[0].tensor._alloc,) if isinstance(seeds, tuple) else ()
 
 
 def _check_open(allocs: tuple[Any, ...], name: str) -> None:
+    """A bound launch's guard: its tensors are open (and held by a graph being captured)."""
     for a in allocs:
         if a._ptr is None:
             raise ClosedError(f"bound kernel on {name!r}: one of its tensors was closed")
+    if capture.active[0]:
+        capture.keep(allocs)
 
 
 class CudaKernels:
@@ -162,7 +173,7 @@ class CudaKernels:
         k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
         p, ps = dst.ptr, src.ptr
         if n:
-            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n)
+            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n, 0, 0, 0)
 
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
@@ -177,14 +188,20 @@ class CudaKernels:
                 launch(grid, stream, p, pa, pb, scale, seed, index_offset, n)
         return run
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float
-                          ) -> Callable[[list[int], int], None]:
-        """``f(seeds, stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple,
-        ``dst`` of ``a``'s dtype) in launches of up to MULTI_MAX tensors, ``seeds[i]`` being tensor
-        ``i``'s seed. Each tensor gets blocks in proportion to its size; everything but the seeds
-        is packed here, once."""
-        spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
+                          seeds: SeedSource, shape: str = "blocks", blocks: int | None = None
+                          ) -> Callable[[int], None]:
+        """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
+        of ``a``'s dtype) in launches of up to MULTI_MAX tensors, everything packed here, once.
+        ``seeds``: a seed per item, or ``(counter, layer, lanes)`` (seeds read on the device when
+        the kernel runs). ``shape``/``blocks``: the launch shape (tools/bench_layer.py)."""
+        if shape == "blocks":
+            spec, per = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype), 2048
+        else:
+            spec, per = KERNELS[shape], 2048 * int(shape.split("_")[2][6:])
         func = self.kernel(spec).func
+        counter, layer, cols_seed = _seed_columns(seeds, len(items))
+        limit = blocks or self.max_grid
         chunks = []
         for c in range(0, len(items), MULTI_MAX):
             part = items[c:c + MULTI_MAX]
@@ -192,32 +209,39 @@ class CudaKernels:
             total = sum(d.numel for d, _, _, _ in part) or 1
             first = [0]
             for d, _, _, _ in part:
-                first.append(first[-1] + max(1, min((d.numel + 2047) >> 11, -(-self.max_grid * d.numel // total))))
+                units = -(-d.numel // per)
+                first.append(first[-1] + (units if shape != "blocks" else
+                                          max(1, min(units, -(-limit * d.numel // total)))))
             cols = [[item[j].ptr for item in part] + z for j in range(3)]
-            k.pack(*cols[0], *cols[1], *cols[2], *[0] * MULTI_MAX, *[off for *_, off in part], *z,
-                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale)
-            chunks.append((k, first[-1], c, c + len(part), z))
-        allocs = tuple(t._alloc for item in items for t in item[:3])
-        name, patch = items[0][0].name, _SEEDS.pack_into
+            k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
+                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter, layer)
+            chunks.append((k, first[-1] if shape == "blocks" else min(first[-1], limit)))
+        allocs = tuple(t._alloc for item in items for t in item[:3]) + _counter_alloc(seeds)
+        name = items[0][0].name
 
-        def run(seeds: list[int], stream: int) -> None:
+        def run(stream: int) -> None:
             _check_open(allocs, name)
-            for k, blocks, lo, hi, z in chunks:
-                k.patch_launch(blocks, stream, patch, _SEED_OFFSET, *seeds[lo:hi], *z)
+            for k, grid in chunks:
+                k.launch_packed(grid, stream)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int) -> Callable[[int, int], None]:
-        """``f(seed, stream)``: this reduce_sr with its pointers, grid and constants fixed."""
-        k, n = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype)), dst.numel
-        grid, p, ps, launch, acc = self.grid(n), dst.ptr, src.ptr, k.launch, int(accumulate)
-        allocs = (dst._alloc, src._alloc)
+                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
+        """``f(stream)``: this reduce_sr packed once; ``seed`` an int or ``(counter, layer, lane)``."""
+        spec, n = reduce_sr_spec(dst.dtype, src.dtype), dst.numel
+        k = Kernel(spec, self.kernel(spec).func)
+        counter, layer, (s,) = _seed_columns(seed if isinstance(seed, tuple) else [seed], 1)
+        k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter, layer, s)
+        grid, allocs = self.grid(n), (dst._alloc, src._alloc) + _counter_alloc(seed)
 
-        def run(seed: int, stream: int) -> None:
+        def run(stream: int) -> None:
             _check_open(allocs, dst.name)
             if n:
-                launch(grid, stream, p, ps, n_shards, skip, scale, acc, seed, index_offset, n)
+                k.launch_packed(grid, stream)
         return run
+
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
+        self.kernel(SEED_COUNTER).launch(1, stream, counter.ptr, op, base, step)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if dst.nbytes:

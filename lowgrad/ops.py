@@ -13,14 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from . import capture
 from .dtypes import DType, bf16, fp32, fp64
+from .seedcounter import SeedCounter
 from .stream import StreamLike, stream_handle
 from .tensor import Tensor
 
-Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once
+Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
 NORM_OUT_DTYPES = (fp32, fp64)
-_U64 = 1 << 64
+_U32, _U64 = 1 << 32, 1 << 64
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -127,6 +129,8 @@ def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0,
     """
     h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
     dev, scale, seed, index_offset = _check_add_sr(dst, a, b, scale, seed, index_offset)
+    if capture.active[0]:
+        capture.keep_tensors(dst, a, b)
     dev.kernels.add_sr(dst, a, b, scale, seed, index_offset, h)
 
 
@@ -138,12 +142,39 @@ def bind_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, index_off
     return dev.kernels.bind_add_sr(dst, a, b, scale, index_offset)
 
 
-def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float = 1.0
-                      ) -> Callable[[list[int], int], None]:
+def check_seed_source(seeds: Any, count: int, device: Any) -> Any:
+    """Validate ``seeds`` for ``count`` SR uses on ``device``: ``count`` fixed 64-bit seeds (an int
+    when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
+    whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
+    or ``count`` ints, each ``2 * tensor + phase``)."""
+    if isinstance(seeds, tuple):
+        if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):
+            raise TypeError("seeds must be seed ints or (SeedCounter, layer, lanes)")
+        counter, layer, lanes = seeds
+        if counter.device is not device:
+            raise ValueError(f"seed counter lives on {counter.device!r}, the tensors on {device!r}")
+        many = lanes if isinstance(lanes, (list, tuple)) else [lanes]
+        if isinstance(lanes, (list, tuple)) and len(lanes) != count:
+            raise ValueError(f"{len(lanes)} lanes for {count} tensors")
+        for v, what in ((layer, "layer"), *((x, "lane") for x in many)):
+            if type(v) is not int or not 0 <= v < _U32:
+                raise ValueError(f"seed counter {what} must be an int in [0, 2**32), got {v!r}")
+        return seeds
+    many = [seeds] if count == 1 and not isinstance(seeds, (list, tuple)) else seeds
+    if not isinstance(many, (list, tuple)) or len(many) != count:
+        raise ValueError(f"need {count} seeds, got {seeds!r}")
+    for v in many:
+        check_seed(v, 0)
+    return list(many)
+
+
+def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0
+                      ) -> Callable[[int], None]:
     """Many ``add_sr`` of one dtype triple (``dst`` of ``a``'s dtype) checked and packed once:
-    ``items`` are ``(dst, a, b, index_offset)``; the returned ``f(seeds, stream)`` queues all of
-    them with ``seeds[i]`` for item ``i`` on ``stream`` (an int handle), in as few launches as
-    the backend can (one per 16 tensors on CUDA). Results equal separate :func:`add_sr` calls."""
+    ``items`` are ``(dst, a, b, index_offset)``, ``seeds`` one seed per item or ``(counter,
+    layer, lanes)`` (see :func:`check_seed_source`). The returned ``f(stream)`` queues all of
+    them on ``stream`` (an int handle) in as few launches as the backend can (one per 16
+    tensors on CUDA). Results equal separate :func:`add_sr` calls with those seeds."""
     if not items:
         raise ValueError("bind_add_sr_multi needs at least one (dst, a, b, index_offset)")
     d0, a0, b0, _ = items[0]
@@ -153,7 +184,8 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], scale: fl
             raise TypeError(f"bind_add_sr_multi: {dst.name!r} is ({dst.dtype.name}, {a.dtype.name}, {b.dtype.name}) "
                             f"on {dst.device!r}; every item needs ({d0.dtype.name}, {d0.dtype.name}, "
                             f"{b0.dtype.name}) on {d0.device!r}")
-    return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale))
+    seeds = check_seed_source(seeds, len(items), d0.device)
+    return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds)
 
 
 def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, seed: Any,
@@ -187,15 +219,18 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
     """
     h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
     dev, scale, seed, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, seed, index_offset)
+    capture.keep_tensors(dst, src)
     dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), seed, index_offset, h)
 
 
 def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
-                   accumulate: bool = False, index_offset: int = 0) -> Bound:
-    """``reduce_sr`` checked and packed once; the returned ``f(seed, stream)`` queues it with
-    that seed on ``stream`` (an int handle)."""
+                   accumulate: bool = False, index_offset: int = 0, seed: Any = 0) -> Callable[[int], None]:
+    """``reduce_sr`` checked and packed once, ``seed`` an int or ``(counter, layer, lane)`` (see
+    :func:`check_seed_source`); the returned ``f(stream)`` queues it on ``stream`` (an int handle)."""
     dev, scale, _, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, 0, index_offset)
-    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), index_offset)
+    seed = check_seed_source(seed, 1, dev)
+    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), index_offset,
+                                      seed if isinstance(seed, tuple) else seed[0])
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
@@ -204,6 +239,7 @@ def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
     _tensor(dst, "dst")
     _kernel_memory(dst.device, (dst, "dst"))
     dst.ptr  # raises on a closed tensor before anything is queued
+    capture.keep_tensors(dst)
     dst.device.kernels.fill_zero(dst, h)
 
 
@@ -234,4 +270,5 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     _kernel_memory(dev, (x, "x"), (out, "out"))
     x.ptr  # raise on closed tensors before anything is queued
     out.ptr
+    capture.keep_tensors(x, out)
     dev.kernels.norm_squared(x, out, check_accumulate(accumulate), h)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import _cuda
+from . import _cuda, capture
 from .errors import ClosedError
 
 if TYPE_CHECKING:
@@ -84,12 +84,14 @@ class Stream:
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream is done."""
         self._live()
+        capture.forbid("Stream.synchronize (a host sync)")
         self.device.activate()
         _cuda.check("cuStreamSynchronize", _cuda.driver().cuStreamSynchronize(self._cu))
 
     def query(self) -> bool:
         """True when all work queued on this stream is done (never blocks)."""
         self._live()
+        capture.forbid("Stream.query")
         (err,) = _cuda.driver().cuStreamQuery(self._cu)
         if int(err) == _CUDA_ERROR_NOT_READY:
             return False
@@ -160,6 +162,7 @@ class Event:
     def query(self) -> bool:
         """True when the work captured by the last record has completed."""
         self._live()
+        capture.forbid("Event.query")
         (err,) = _cuda.driver().cuEventQuery(self._cu)
         if int(err) == _CUDA_ERROR_NOT_READY:
             return False
@@ -169,6 +172,7 @@ class Event:
     def synchronize(self) -> None:
         """Block the host until the recorded work is complete."""
         self._live()
+        capture.forbid("Event.synchronize (a host sync)")
         _cuda.check("cuEventSynchronize", _cuda.driver().cuEventSynchronize(self._cu))
 
     def elapsed_ms(self, end: Event) -> float:

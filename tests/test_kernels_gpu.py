@@ -529,8 +529,8 @@ def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevi
         ref = lg.reference.add_sr(a[1:] if i == 4 else a[:n], b, 0.5, seeds[i], off, out_dtype=d_dt)
         want.append(ref)
         outs.append(dst)
-    run = lg.ops.bind_add_sr_multi(items, 0.5)
-    run(seeds, s.handle)
+    run = lg.ops.bind_add_sr_multi(items, seeds, 0.5)
+    run(s.handle)
     s.synchronize()
     for i, (dst, ref) in enumerate(zip(outs, want)):
         assert_bits(dst.numpy(), ref, f"multi tensor {i} n={sizes[i]} rng={seed}")

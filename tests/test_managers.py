@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -273,7 +274,8 @@ def test_sharded_memory_matches_formula(offload: bool) -> None:
     assert dev["block_grad"] == 2 * block and dev["non_block_grad"] == nb
     assert rep["pinned" if offload else "device"]["block_grad_shards"] == L * block // world
     expected = 2 * block + nb + (0 if offload else L * block // world)
-    assert sum(v for k, v in dev.items() if k != "grad_norm") == expected
+    assert dev["seed_counter"] == 16 and dev["grad_norm"] == 4  # the manager's two scalars
+    assert sum(v for k, v in dev.items() if k not in ("grad_norm", "seed_counter")) == expected
 
 
 def test_grad_norm_squared() -> None:
@@ -298,12 +300,54 @@ def test_bind_add_sr_multi_host_equals_separate_calls_and_checks() -> None:
     items = [(mk(n, lg.bf16), None, mk(n, lg.bf16), 8 * i + 1) for i, n in enumerate((5, 64, 1000))]
     items = [(d, d, b, off) for d, _, b, off in items]
     want = [lg.reference.add_sr(d.numpy(), b.numpy(), 2.0, 11 + i, off) for i, (d, _, b, off) in enumerate(items)]
-    lg.ops.bind_add_sr_multi(items, 2.0)([11, 12, 13], 0)
+    lg.ops.bind_add_sr_multi(items, [11, 12, 13], 2.0)(0)
     for (d, *_), w in zip(items, want):
         assert np.array_equal(d.numpy().view(np.uint16), w.view(np.uint16))
     with pytest.raises(ValueError):
-        lg.ops.bind_add_sr_multi([])
+        lg.ops.bind_add_sr_multi([], [])
     with pytest.raises(TypeError, match="every item"):
-        lg.ops.bind_add_sr_multi([items[0], (mk(4, lg.fp32), mk(4, lg.fp32), mk(4, lg.bf16), 0)])
+        lg.ops.bind_add_sr_multi([items[0], (mk(4, lg.fp32), mk(4, lg.fp32), mk(4, lg.bf16), 0)], [1, 2])
     with pytest.raises(ValueError, match="size"):
-        lg.ops.bind_add_sr_multi([(mk(4, lg.bf16), mk(4, lg.bf16), mk(5, lg.bf16), 0)])
+        lg.ops.bind_add_sr_multi([(mk(4, lg.bf16), mk(4, lg.bf16), mk(5, lg.bf16), 0)], [1])
+    with pytest.raises(ValueError, match="need 3 seeds"):
+        lg.ops.bind_add_sr_multi(items, [1, 2])
+    with pytest.raises(ValueError, match="seed"):
+        lg.ops.bind_add_sr_multi(items, [1, 2, -3])
+
+
+def test_seed_counter_seeds_follow_the_counter_on_the_host() -> None:
+    """Kernels bound to a SeedCounter use DESIGN's per-use seed of the counter's value when they
+    run: set, next_micro and next_step change the noise exactly as use_seed says."""
+    from lowgrad.seedcounter import SeedCounter
+    h = lg.HostDevice()
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal(1000).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(1000).astype(np.float32)
+    counter = SeedCounter(h, 77, 5)
+    out, src = lg.from_numpy(a, h, name="d"), lg.from_numpy(b, h, name="s")
+    dst = out
+    run = lg.ops.bind_add_sr_multi([(out, out, src, 3)], (counter, 9, [5]))
+    got = []
+    for advance in (None, counter.next_micro, counter.next_micro, counter.next_step):
+        if advance is not None:
+            advance(0)
+        out.numpy()[:] = a
+        run(0)
+        got.append(out.numpy().copy())
+    for (step, micro), g in zip(((5, 0), (5, 1), (5, 2), (6, 0)), got):
+        want = lg.reference.add_sr(a, b, 1.0, lg.use_seed(77, step, micro, 9, 2, 1), 3)
+        assert np.array_equal(g.view(np.uint16), want.view(np.uint16)), (step, micro)
+    red = lg.from_numpy(np.zeros(500, np.float32), h, name="r")
+    lg.ops.bind_reduce_sr(red, src, 2, -1, 1.0, False, 0, (counter, 1, 4))(0)
+    want = lg.reference.reduce_sr(np.zeros(500, np.float32), b, 2, -1, 1.0, False, lg.use_seed(77, 6, 0, 1, 2, 0))
+    assert np.array_equal(red.numpy(), want)
+    with pytest.raises(ValueError, match="lane"):
+        lg.ops.bind_add_sr_multi([(out, dst, src, 3)], (counter, 9, [-1]))
+    with pytest.raises(ValueError, match="lanes for"):
+        lg.ops.bind_add_sr_multi([(out, dst, src, 3)], (counter, 9, [1, 2]))
+    with pytest.raises(ValueError, match="lives on"):
+        lg.ops.bind_add_sr_multi([(out, dst, src, 3)], (SeedCounter(lg.HostDevice(), 1, 1), 9, [1]))
+    with pytest.raises(TypeError, match="SeedCounter"):
+        lg.ops.bind_add_sr_multi([(out, dst, src, 3)], (1, 9, [1]))
+    with pytest.raises(ValueError, match="step"):
+        counter.set(1, 1 << 32)

@@ -42,7 +42,7 @@ def test_cuda_memory_report_matches_formula(offload: bool) -> None:
     assert kind_ok
     assert dev["block_grad"] == 2 * block and dev["non_block_grad"] == nb
     assert rep["pinned" if offload else "device"]["block_grad_shards"] == L * block
-    assert dev["grad_norm"] == 4
+    assert dev["grad_norm"] == 4 and dev["seed_counter"] == 16
 
 
 def test_cuda_grad_norm_matches_host() -> None:

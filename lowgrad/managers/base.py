@@ -19,12 +19,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-import numpy as np
-
-from .. import ops
+from .. import capture, ops
 from ..dtypes import DType, as_dtype, bf16, fp32
+from ..graph import capture_of
 from ..layout import Layout, ParamSpec
-from ..seeds import use_seeds
+from ..seedcounter import SeedCounter
 from ..stream import StreamLike, stream_handle
 from ..tensor import Container, Tensor, shard_view
 from ..trace import nvtx_range
@@ -54,8 +53,8 @@ class GradientManager(ABC):
                 raise TypeError(f"parameter {spec.name!r} has dtype {as_dtype(spec.dtype).name}, "
                                 f"but the manager's gradient dtype is {self.dtype.name}")
         ops.check_seed(seed, 0)
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(step, int) or not 0 <= step < 1 << 32:
+            raise ValueError(f"step must be an int in [0, 2**32), got {step!r}")
         self.layout, self.comm, self.offload = layout, comm, bool(offload)
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
@@ -74,8 +73,13 @@ class GradientManager(ABC):
         self._fetched: int | None = None
         self._nb_open: set[str] = set()
         self._nb_touched: set[str] = set()
-        self._seed0: list[list[int]] = []  # [layer][tensor] seeds of the micro-step in progress, phase 0
-        self._seed1: list[list[int]] = []  # and phase 1
+        # CUDA-graph capture (lowgrad.graph): the Graph capturing this manager's micro-steps, the
+        # events recorded in it, the host state before it, and the template of what it captured
+        self._capture: Any = None
+        self._captured: set[Any] = set()
+        self._saved: tuple[Any, ...] = ()
+        self._template: dict[str, Any] = {}
+        self._counter = SeedCounter(self.device, seed, step, self.comm_stream)
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -98,7 +102,13 @@ class GradientManager(ABC):
 
     # ---- protocol ------------------------------------------------------------------------
     def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
-        """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step (host only)."""
+        """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step; queues the
+        seed counter's advance on the communication stream after ``stream``'s work so far. Inside
+        a :class:`lowgrad.Graph` capture of ``stream`` it begins a template instead (see
+        :mod:`lowgrad.graph`): any micro-step may be captured, and host state is left as it was."""
+        cap = capture_of(self.device, stream)
+        if cap is not None and cap is not self._capture:
+            self._begin_capture(cap, micro_step, total_micro_steps)
         if self._in_micro:
             raise ProtocolError(f"start_micro_step({micro_step}) while micro-step {self._micro} is in progress")
         if not isinstance(total_micro_steps, int) or total_micro_steps < 1:
@@ -114,10 +124,29 @@ class GradientManager(ABC):
         self._next_layer, self._fetched = self.layout.num_layers - 1, None
         if micro_step == 0:
             self._nb_touched = set()
-        L, T = self.layout.num_layers, max(1, len(self.layout.block))
-        seeds = use_seeds(self.base_seed, self.step, micro_step, np.arange(L)[:, None, None],
-                          np.arange(T)[None, :, None], np.arange(2)[None, None, :])
-        self._seed0, self._seed1 = seeds[..., 0].tolist(), seeds[..., 1].tolist()  # python ints for the hot path
+        self._join(stream)
+        if micro_step > 0:
+            self._counter.next_micro(self._comm_handle)
+
+    def _join(self, stream: StreamLike) -> None:
+        """The communication stream waits for ``stream``'s work so far."""
+        self._record(self._engine_done, stream)
+        self._wait(self._engine_done, self.comm_stream)
+
+    # ---- events: recorded and waited through these, so that a capture skips waits on work
+    # recorded outside it (a replay is ordered after everything before it on its stream)
+    def _record(self, event: Any, stream: StreamLike) -> None:
+        event.record(stream)
+        if self._capture is not None:
+            self._captured.add(event)
+
+    def _wait(self, event: Any, stream: StreamLike) -> None:
+        if event in self._captured or capture.current() is None:
+            event.wait(stream)
+
+    def _events(self) -> list[Any]:
+        """The events later calls wait on (re-recorded after a capture and after each replay)."""
+        return [self._comm_done, self._nb_done]
 
     @property
     def last_micro_step(self) -> bool:
@@ -153,8 +182,7 @@ class GradientManager(ABC):
         exchange and accumulation on the manager's communication stream."""
         self._check_notify(layer)
         with nvtx_range(f"lowgrad.exchange layer {layer}"):
-            self._engine_done.record(stream)
-            self.comm_stream.wait(self._engine_done)
+            self._join(stream)
             self._exchange_block(layer)
 
     @abstractmethod
@@ -178,13 +206,17 @@ class GradientManager(ABC):
                                 if self._fetched is None else f"end_micro_step with layer {self._fetched} not notified")
         if self._nb_open:
             raise ProtocolError(f"end_micro_step with non-block gradients not notified: {sorted(self._nb_open)}")
-        if self.last_micro_step:
+        last = self.last_micro_step
+        if last:
             with nvtx_range("lowgrad.non_block reduce-scatter"):
                 self._finish_non_block(stream)
-        self._comm_done.record(self.comm_stream)
-        self._comm_done.wait(stream)
+            self._counter.next_step(self._comm_handle)
+        self._record(self._comm_done, self.comm_stream)
+        self._wait(self._comm_done, stream)
         self._in_micro = False
-        if self.last_micro_step:
+        if self._capture is not None:
+            self._end_template_micro_step(last)
+        if last:
             self.step += 1
             self._micro = -1
 
@@ -199,9 +231,9 @@ class GradientManager(ABC):
         t = self._nb(name)
         if name in self._nb_open:
             raise ProtocolError(f"non_block_full({name!r}) again before notify_non_block({name!r})")
-        first = name not in self._nb_touched
+        first = name not in self._nb_touched and not self._template.get("assume_touched")
         if first:
-            self._nb_done.wait(stream)  # the previous step's reduce-scatter is done with it
+            self._wait(self._nb_done, stream)  # the previous step's reduce-scatter is done with it
         if first and self._nb_spec[name].zero_init:
             ops.fill_zero(t, stream)
         self._nb_open.add(name)
@@ -217,14 +249,13 @@ class GradientManager(ABC):
         self._nb_open.discard(name)
 
     def _finish_non_block(self, stream: StreamLike) -> None:
-        self._engine_done.record(stream)
-        self.comm_stream.wait(self._engine_done)
+        self._join(stream)
         for name, t in self._nb_full.items():
             if name not in self._nb_touched:  # never produced this step: its gradient is zero
                 ops.fill_zero(t, self.comm_stream)
         if self.world > 1:  # world 1: the mean is the gradient
             self.reduce_scatter_all([t for name, t in self._nb_full.items() if name in self._nb_touched])
-        self._nb_done.record(self.comm_stream)
+        self._record(self._nb_done, self.comm_stream)
 
     def reduce_scatter_all(self, tensors: list[Tensor]) -> None:
         """In-place average reduce-scatter of every tensor, as one NCCL group on the
@@ -239,7 +270,7 @@ class GradientManager(ABC):
         ``stream`` (which waits for the reduce-scatter). Valid between steps."""
         self._check_between_steps(f"non_block_shard({name!r})")
         t = self._nb(name)
-        self._nb_done.wait(stream)
+        self._wait(self._nb_done, stream)
         return shard_view(t, self.rank, self.world)
 
     def _nb(self, name: str) -> Tensor:
@@ -275,7 +306,7 @@ class GradientManager(ABC):
         """Sum of squares over every shard of every rank (fp32 scalar on the device, all-reduced),
         queued on ``stream``. Valid between steps; read it with ``.numpy()``."""
         self._check_between_steps("grad_norm_squared")
-        self._comm_done.wait(stream)
+        self._wait(self._comm_done, stream)
         for i, t in enumerate(self.shards()):
             ops.norm_squared(t, self._norm, accumulate=i > 0, stream=stream)
         self.comm.all_reduce(self._norm, op="sum", stream=stream)
@@ -300,16 +331,91 @@ class GradientManager(ABC):
         ops.check_seed(state["base_seed"], 0)
         if not isinstance(state["step"], int) or state["step"] < 0:
             raise ValueError(f"state step must be a non-negative int, got {state['step']!r}")
+        if not state["step"] < 1 << 32:
+            raise ValueError(f"state step must be below 2**32, got {state['step']!r}")
+        capture.forbid("load_state_dict")
         self.base_seed, self.step = int(state["base_seed"]), int(state["step"])
+        self._counter.set(self.base_seed, self.step, self.comm_stream)
 
     def close(self) -> None:
         """Free every gradient buffer now."""
-        for t in (*self._nb_full.values(), *self._owned()):
+        for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
             t.close()
 
     @abstractmethod
     def _owned(self) -> list[Tensor]:
         """The block tensors this manager allocated."""
+
+    # ---- CUDA-graph capture and replay (lowgrad.graph calls these) ---------------------------
+    def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
+        """First micro-step of this manager in capture ``cap``: save host state, then set it so
+        that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""
+        if self._in_micro or self._capture is not None:
+            raise ProtocolError(f"start_micro_step({micro_step}) in a capture while micro-step {self._micro} is in "
+                                "progress outside it")
+        if not (isinstance(micro_step, int) and isinstance(total, int) and 0 <= micro_step < total):
+            raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
+        self._saved = (self._micro, self._total, self.step, set(self._nb_touched))
+        self._capture, self._captured = cap, set()
+        self._micro, self._total = micro_step - 1, total
+        self._nb_touched = set()
+        self._template = {"m0": micro_step, "total": total, "count": 0, "steps": 0, "assumed": None,
+                          "assume_touched": micro_step > 0}
+        cap.join(self)
+        cap.keep(tuple(t._alloc for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor,
+                                          self._norm)))
+
+    def _end_template_micro_step(self, last: bool) -> None:
+        tpl = self._template
+        if tpl["assume_touched"]:  # a template starting mid-step assumed these were produced before
+            tpl["assumed"], tpl["assume_touched"] = frozenset(self._nb_touched), False
+        tpl["count"] += 1
+        tpl["steps"] += int(last)
+
+    def capture_ended(self, graph: Any, failed: bool) -> Any:
+        """Restore the host state saved at the capture's start and make the events valid for
+        eager work again; return the template (ProtocolError for a partial micro-step)."""
+        partial, tpl = self._in_micro, dict(self._template)
+        tpl["touched"], tpl["micro"] = frozenset(self._nb_touched), self._micro
+        self._micro, self._total, self.step, self._nb_touched = self._saved
+        self._in_micro, self._fetched, self._nb_open = False, None, set()
+        self._capture, self._captured, self._template = None, set(), {}
+        for e in self._events():
+            e.record(self.comm_stream)
+        if failed:
+            return None
+        if partial:
+            raise ProtocolError("the capture ended inside a micro-step: capture whole micro-steps "
+                                "(start_micro_step ... end_micro_step)")
+        return tpl
+
+    def replay_check(self, tpl: dict[str, Any]) -> tuple[int, int, int, set[str]]:
+        """Whether the captured micro-steps fit this manager's next ones; the state after them."""
+        if self._in_micro:
+            raise ProtocolError(f"graph replay while micro-step {self._micro} is in progress")
+        m, M = (self._micro + 1 if self._micro >= 0 else 0), tpl["total"]
+        if m > 0 and self._total != M:
+            raise ProtocolError(f"graph captured for steps of {M} micro-steps, but this step has {self._total}")
+
+        def kind(i: int) -> tuple[bool, bool]:
+            return i % M == 0, i % M == M - 1
+        if any(kind(tpl["m0"] + i) != kind(m + i) for i in range(tpl["count"])):
+            raise ProtocolError(f"graph captured from micro-step {tpl['m0']} of {M} ({tpl['count']} micro-steps) "
+                                f"cannot replay as micro-step {m}: first, middle and last micro-steps differ")
+        if m > 0 and tpl["assumed"] is not None and tpl["assumed"] != self._nb_touched:
+            raise ProtocolError(f"graph assumes non-block gradients {sorted(tpl['assumed'])} were produced earlier "
+                                f"in the step; this step produced {sorted(self._nb_touched)}")
+        micro = -1 if tpl["micro"] < 0 else (m + tpl["count"] - 1) % M
+        return micro, M, self.step + tpl["steps"], set(tpl["touched"])
+
+    def replay_before(self, stream: int) -> None:
+        self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
+
+    def replay_done(self, state: tuple[int, int, int, set[str]], stream: int) -> None:
+        self._micro, self._total, self.step, self._nb_touched = state
+        for e in self._events():
+            e.record(stream)
+        self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
 
     def __enter__(self) -> GradientManager:
         return self

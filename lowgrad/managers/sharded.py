@@ -17,6 +17,8 @@ accumulation finished: the engine's stream waits on an event, never the host.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .. import ops
 from ..stream import StreamLike
 from ..tensor import Container, Tensor, shard_view
@@ -38,16 +40,19 @@ class ShardedManager(GradientManager):
                                           "block_grad_shards") for s in self.layout.block] for _ in range(L)]
         shard_lazy.commit()
         self._free = [self.device.event(name=f"buffer{i}_free") for i in range(len(self._buffers))]
-        self._ready = [self.device.event(name=f"layer{l}_shard") for l in range(L)]
         self._bind()
 
     def _bind(self) -> None:
         """Check and pack every per-layer launch once: own slices, SR adds (and reductions)."""
         self._offsets = offsets = [self.shard_offset(s) for s in self.layout.block]
         self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
+        lanes = [2 * i for i in range(len(self.layout.block))]  # phase 0
         self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
-                                            zip(self._shards[l], self._own[l % 2], offsets)])
+                                            zip(self._shards[l], self._own[l % 2], offsets)], (self._counter, l, lanes))
                      for l in range(self.layout.num_layers)] if self.layout.block else []
+
+    def _events(self) -> list[Any]:
+        return [*super()._events(), *self._free]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Buffer ``layer % 2`` for layer ``layer``'s gradients; always overwrite (``False``),
@@ -55,7 +60,7 @@ class ShardedManager(GradientManager):
         waits until the buffer's previous exchange is done."""
         self._check_fetch(layer)
         buf = self._buffers[layer % 2]
-        self._free[layer % 2].wait(stream)
+        self._wait(self._free[layer % 2], stream)
         self._zero_init(buf, stream)
         return self._containers[layer % 2], False
 
@@ -64,8 +69,7 @@ class ShardedManager(GradientManager):
         if self.world > 1:  # the mean over one rank is the gradient itself
             self.reduce_scatter_all(self._buffers[layer % 2])
         self._add_own(layer, first)
-        self._free[layer % 2].record(s)
-        self._ready[layer].record(s)
+        self._record(self._free[layer % 2], s)
 
     def _add_own(self, layer: int, first: bool) -> None:
         """Shard += own slice (phase-0 noise); a copy on micro-step 0."""
@@ -73,14 +77,14 @@ class ShardedManager(GradientManager):
             for shard, own in zip(self._shards[layer], self._own[layer % 2]):
                 ops.copy(shard, own, stream=self.comm_stream)
         elif self._acc:
-            self._acc[layer](self._seed0[layer], self._comm_handle)
+            self._acc[layer](self._comm_handle)
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
         ``stream``. Valid between steps."""
         self._check_between_steps(f"block_shard({layer})")
         self._check_layer(layer)
-        self._ready[layer].wait(stream)
+        self._wait(self._comm_done, stream)
         return self._container(self._shards[layer])
 
     def shards(self) -> list[Tensor]:
@@ -97,17 +101,17 @@ class AllToAllManager(ShardedManager):
     def _bind(self) -> None:
         super()._bind()
         W, skip, offsets = self.world, (self.rank + self.world - 1) % self.world, self._offsets
-        self._red = [[[ops.bind_reduce_sr(sh, full, W, skip, scale, True, off) for scale in (1.0, 1.0 / W)]
-                      for sh, full, off in zip(self._shards[l], self._buffers[l % 2], offsets)]
+        self._red = [[[ops.bind_reduce_sr(sh, full, W, skip, scale, True, off, (self._counter, l, 2 * i + 1))
+                       for scale in (1.0, 1.0 / W)]
+                      for i, (sh, full, off) in enumerate(zip(self._shards[l], self._buffers[l % 2], offsets))]
                      for l in range(self.layout.num_layers)] if W > 1 else []
 
     def _exchange_block(self, layer: int) -> None:
-        s, seeds = self.comm_stream, self._seed1[layer]
+        s = self.comm_stream
         self._add_own(layer, self._micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)
             self.comm.all_to_all_many(self._buffers[layer % 2], stream=s)  # the layer's buffers in W-1 steps
-            for i, red in enumerate(self._red[layer]):
-                red[last](seeds[i], h)
-        self._free[layer % 2].record(s)
-        self._ready[layer].record(s)
+            for red in self._red[layer]:
+                red[last](h)
+        self._record(self._free[layer % 2], s)

@@ -20,7 +20,6 @@ class UnshardedManager(GradientManager):
                       for _ in range(self.layout.num_layers)]
         lazy.commit()
         self._containers = [self._container(ts) for ts in self._full]
-        self._done = [self.device.event(name=f"layer{l}_reduced") for l in range(self.layout.num_layers)]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).
@@ -28,7 +27,7 @@ class UnshardedManager(GradientManager):
         self._check_fetch(layer)
         tensors = self._full[layer]
         if self._micro == 0:
-            self._done[layer].wait(stream)  # the previous step's reduce-scatter has finished
+            self._wait(self._comm_done, stream)  # the previous step's reduce-scatters have finished
             self._zero_init(tensors, stream)
         return self._containers[layer], self._micro > 0
 
@@ -36,13 +35,12 @@ class UnshardedManager(GradientManager):
         if self.last_micro_step:
             if self.world > 1:  # world 1: the mean is the gradient
                 self.reduce_scatter_all(self._full[layer])
-            self._done[layer].record(self.comm_stream)
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``."""
         self._check_between_steps(f"block_shard({layer})")
         self._check_layer(layer)
-        self._done[layer].wait(stream)
+        self._wait(self._comm_done, stream)
         return self._container([shard_view(t, self.rank, self.world) for t in self._full[layer]])
 
     def shards(self) -> list[Tensor]:

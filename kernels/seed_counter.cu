@@ -1,0 +1,17 @@
+// Updates of a manager's SeedCounter (sr.cuh), queued on the stream of the SR kernels that read it:
+// op 0 sets {base, step, micro-step 0}; op 1 advances the micro-step; op 2 starts the next step.
+#include "sr.cuh"
+
+extern "C" __global__ void seed_counter(SeedCounter* c, u32 op, u64 base, u32 step) {
+  if (threadIdx.x | blockIdx.x) return;
+  if (op == 0) {
+    c->base = base;
+    c->step = step;
+    c->micro = 0;
+  } else if (op == 1) {
+    c->micro += 1;
+  } else {
+    c->step += 1;
+    c->micro = 0;
+  }
+}

@@ -1,0 +1,155 @@
+"""Per-layer SR accumulation (what a sharded manager launches once per layer and micro-step)
+against the device-to-device copy bandwidth, with the launch shape as the variable.
+
+For a model's block layout (default Qwen2.5-1.5B: 12 tensors, 47 M elements, 282 MB moved per
+layer) it times every layer's ``shard = SR(shard + own slice)`` back to back on one stream
+(CUDA events around all layers, median of repeats) for each launch shape, and once more with
+the manager's hand-over (an event from an engine stream before each layer, one back after it).
+Ratio = the layer's bytes at the copy bandwidth of the same run / the measured time per layer.
+Every variant's result is checked bit for bit against the first. Prints a table, writes JSON.
+
+    PYTHONPATH=. python3 tools/bench_layer.py --json $OUT/bench_layer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import lowgrad as lg  # noqa: E402
+from lowgrad.bandwidth import copy_bandwidths  # noqa: E402
+from lowgrad.compiler import KERNELS, MULTI_MAX  # noqa: E402
+from lowgrad.dtypes import byte  # noqa: E402
+from lowgrad.launch import Kernel  # noqa: E402
+from lowgrad.seeds import use_seed  # noqa: E402
+
+Launch = Callable[[int, int], None]  # (layer, stream)
+
+
+def bind_chunks(dev: Any, symbol: str, unroll: int, items: list[tuple[Any, Any, Any, int]], seeds: list[int],
+                blocks: int) -> Callable[[int], None]:
+    spec = KERNELS[symbol]
+    k = Kernel(spec, dev.kernels.kernel(spec).func)
+    z = [0] * (MULTI_MAX - len(items))
+    first = [0]
+    for d, *_ in items:
+        first.append(first[-1] + -(-(-(-d.numel // 8)) // (unroll * 256)))
+    cols = [[it[j].ptr for it in items] + z for j in range(3)]
+    args = (*cols[0], *cols[1], *cols[2], *seeds, *z, *[off for *_, off in items], *z, *[d.numel for d, *_ in items],
+            *z, *first, *[first[-1]] * len(z), len(items), 1.0, 0, 0)
+    return lambda stream: k.launch(blocks, stream, *args)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="Qwen2.5-1.5B")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_layer.json"))
+    args = p.parse_args()
+    dev = lg.Device(0)
+    layout = lg.llama_layout(args.config)
+    L, specs = layout.num_layers, layout.block
+    bw = copy_bandwidths(dev, 1 << 31, pinned=False)["d2d"]
+    lazy = dev.lazy_allocator("device")
+    bufs = [[lazy.alloc(s.shape, lg.bf16, "block_grad") for s in specs] for _ in range(2)]
+    shards = [[lazy.alloc(s.shape, lg.bf16, "block_grad_shards") for s in specs] for _ in range(L)]
+    lazy.commit()
+    rng = np.random.default_rng(0)
+    for t in [t for ts in (*bufs, *shards) for t in ts]:
+        bits = rng.integers(0, 1 << 16, t.numel, dtype=np.uint16) & np.uint16(0xBFFF)
+        lg.ops.copy(t.flat().bitcast(byte), lg.from_numpy(bits.view(np.uint8), dev, name="init"))
+    dev.synchronize()
+    layer_bytes = 3 * 2 * sum(s.numel for s in specs)
+    seeds = [[use_seed(7, 0, 1, layer, i, 0) for i in range(len(specs))] for layer in range(L)]
+    items = [[(sh, sh, b, 0) for sh, b in zip(shards[layer], bufs[layer % 2])] for layer in range(L)]
+    sms = dev.sm_count
+    kern = dev.kernels
+
+    variants: dict[str, Callable[[int, int], None]] = {}
+    saved = kern.max_grid
+    for f in (2, 4, 8, 16, 32, 64):
+        kern.max_grid = sms * f
+        runs = [kern.bind_add_sr_multi(items[layer], 1.0) for layer in range(L)]
+        variants[f"proportional {f} x SMs"] = (lambda runs: lambda layer, s: runs[layer](seeds[layer], s))(runs)
+    kern.max_grid = saved
+    for sym, u in (("add_sr_chunks2_1", 2), ("add_sr_chunks4_1", 4), ("add_sr_chunks8_1", 8), ("add_sr_chunks2_4", 2)):
+        for bps in (2, 3, 4, 8, 16):
+            runs = [bind_chunks(dev, sym, u, items[layer], seeds[layer], sms * bps) for layer in range(L)]
+            variants[f"{sym} {bps} x SMs"] = (lambda runs: lambda layer, s: runs[layer](s))(runs)
+
+    s = dev.stream()
+    engine = dev.stream()
+    e0, e1 = dev.event(timing=True), dev.event(timing=True)
+    ev_engine = dev.event()
+    free = [dev.event(), dev.event()]
+    snapshot = [t.numpy().copy() for t in shards[0]]
+
+    def reset() -> None:
+        for t, a in zip(shards[0], snapshot):
+            lg.ops.copy(t, lg.from_numpy(a, dev, name="reset"), s)
+        s.synchronize()
+
+    def time_all(fn: Callable[[int, int], None], handover: bool) -> float:
+        fn(0, s.handle)
+        ms = []
+        for _ in range(args.repeats):
+            e0.record(s)
+            for layer in reversed(range(L)):
+                if handover:
+                    free[layer % 2].wait(engine)
+                    ev_engine.record(engine)
+                    s.wait(ev_engine)
+                fn(layer, s.handle)
+                if handover:
+                    free[layer % 2].record(s)
+            e1.record(s)
+            e1.synchronize()
+            ms.append(e0.elapsed_ms(e1))
+        return statistics.median(ms) * 1e3 / L  # us per layer
+
+    reference = None
+    rows = []
+    for name, fn in variants.items():
+        reset()
+        fn(0, s.handle)
+        s.synchronize()
+        got = [t.numpy().copy() for t in shards[0]]
+        if reference is None:
+            reference = got
+        same = all(np.array_equal(x.view(np.uint16), y.view(np.uint16)) for x, y in zip(got, reference))
+        us = time_all(fn, False)
+        row = {"variant": name, "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6), "bit_identical": same}
+        rows.append(row)
+        print(f"{name:<34}{us:>9.1f} us/layer  ratio {row['ratio']:.3f}  identical {same}", flush=True)
+    best = max(rows, key=lambda r: r["ratio"])
+    for name in ("proportional 64 x SMs", best["variant"]):
+        us = time_all(variants[name], True)
+        row = {"variant": name + " + hand-over", "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6)}
+        rows.append(row)
+        print(f"{row['variant']:<34}{us:>9.1f} us/layer  ratio {row['ratio']:.3f}", flush=True)
+    # one flat add_sr over the layer's contiguous shards (an upper bound: one tensor, no table)
+    sh0, b0 = shards[0][0], bufs[0][0]
+    n_flat = (shards[0][-1].ptr + shards[0][-1].nbytes - sh0.ptr) // 2
+    flat_sh = lg.Tensor(sh0.allocation, sh0._offset, lg.bf16, (n_flat,), "flat")
+    flat_b = lg.Tensor(b0.allocation, b0._offset, lg.bf16, (n_flat,), "flat")
+    us = time_all(lambda layer, st: lg.ops.add_sr(flat_sh, flat_sh, flat_b, 1.0, 5, 0, st), False)
+    rows.append({"variant": "flat add_sr (one tensor)", "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6)})
+    print(f"{'flat add_sr (one tensor)':<34}{us:>9.1f} us/layer  ratio {rows[-1]['ratio']:.3f}")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; layer moves {layer_bytes / 1e6:.0f} MB "
+          f"({layer_bytes / bw * 1e6:.1f} us at copy bandwidth)")
+    with open(args.json, "w") as f:
+        json.dump({"config": args.config, "copy_bw": bw, "layer_bytes": layer_bytes, "rows": rows,
+                   "date": time.strftime("%Y-%m-%d"), "device": dev.name}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
