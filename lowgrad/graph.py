@@ -64,6 +64,9 @@ class Participant(Protocol):
     def replay_done(self, applied: Any, stream: int) -> None:
         """The replay was launched on ``stream``: advance host state, re-record events."""
 
+    def capture_closing(self, stream: int) -> None:
+        """The capture of ``stream`` is about to end: join any side stream back into it."""
+
     def capture_ended(self, graph: Graph, failed: bool) -> Any:
         """The capture ended: restore host state; return the template (or raise)."""
 
@@ -153,7 +156,9 @@ class Graph:
     def _finish_capture(self, drv: Any, h: int, failed: bool) -> None:
         """End the capture, let every participant restore its state, instantiate; on a failure
         nothing is kept and (unless the block itself raised) the first error is raised."""
-        graph, error = None, None
+        graph, error, own = None, None, None
+        for p in self._participants:
+            p.capture_closing(h)
         try:
             graph = _end_capture(drv, h, failed)
         except Exception as exc:  # e.g. an invalidated capture: participants still restore
@@ -162,8 +167,9 @@ class Graph:
         for p in self._participants:
             try:
                 templates[p] = p.capture_ended(self, failed or error is not None)
-            except Exception as exc:
-                error = error or exc
+            except Exception as exc:  # a participant's own error says more than the driver's
+                own = own or exc
+        error = own or error
         if graph is not None and error is None:
             self._instantiate(drv, graph)
             self._participants = templates

@@ -26,27 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
 from lowgrad.bandwidth import copy_bandwidths  # noqa: E402
-from lowgrad.compiler import KERNELS, MULTI_MAX  # noqa: E402
 from lowgrad.dtypes import byte  # noqa: E402
-from lowgrad.launch import Kernel  # noqa: E402
 from lowgrad.seeds import use_seed  # noqa: E402
-
-Launch = Callable[[int, int], None]  # (layer, stream)
-
-
-def bind_chunks(dev: Any, symbol: str, unroll: int, items: list[tuple[Any, Any, Any, int]], seeds: list[int],
-                blocks: int) -> Callable[[int], None]:
-    spec = KERNELS[symbol]
-    k = Kernel(spec, dev.kernels.kernel(spec).func)
-    z = [0] * (MULTI_MAX - len(items))
-    first = [0]
-    for d, *_ in items:
-        first.append(first[-1] + -(-(-(-d.numel // 8)) // (unroll * 256)))
-    cols = [[it[j].ptr for it in items] + z for j in range(3)]
-    args = (*cols[0], *cols[1], *cols[2], *seeds, *z, *[off for *_, off in items], *z, *[d.numel for d, *_ in items],
-            *z, *first, *[first[-1]] * len(z), len(items), 1.0, 0, 0)
-    return lambda stream: k.launch(blocks, stream, *args)
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -70,20 +51,23 @@ def main() -> int:
     layer_bytes = 3 * 2 * sum(s.numel for s in specs)
     seeds = [[use_seed(7, 0, 1, layer, i, 0) for i in range(len(specs))] for layer in range(L)]
     items = [[(sh, sh, b, 0) for sh, b in zip(shards[layer], bufs[layer % 2])] for layer in range(L)]
-    sms = dev.sm_count
-    kern = dev.kernels
+    sms, kern = dev.sm_count, dev.kernels
 
     variants: dict[str, Callable[[int, int], None]] = {}
-    saved = kern.max_grid
+
+    def add(name: str, runs: list[Callable[[int], None]]) -> None:
+        variants[name] = lambda layer, s: runs[layer](s)
+
     for f in (2, 4, 8, 16, 32, 64):
-        kern.max_grid = sms * f
-        runs = [kern.bind_add_sr_multi(items[layer], 1.0) for layer in range(L)]
-        variants[f"proportional {f} x SMs"] = (lambda runs: lambda layer, s: runs[layer](seeds[layer], s))(runs)
-    kern.max_grid = saved
-    for sym, u in (("add_sr_chunks2_1", 2), ("add_sr_chunks4_1", 4), ("add_sr_chunks8_1", 8), ("add_sr_chunks2_4", 2)):
+        add(f"blocks {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, seeds[l], "blocks", sms * f) for l in range(L)])
+    for shape in ("add_sr_chunks2_1", "add_sr_chunks4_1", "add_sr_chunks8_1", "add_sr_chunks2_4"):
         for bps in (2, 3, 4, 8, 16):
-            runs = [bind_chunks(dev, sym, u, items[layer], seeds[layer], sms * bps) for layer in range(L)]
-            variants[f"{sym} {bps} x SMs"] = (lambda runs: lambda layer, s: runs[layer](s))(runs)
+            add(f"{shape} {bps} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, seeds[l], shape, sms * bps)
+                                         for l in range(L)])
+    counter = lg.SeedCounter(dev, 7, 0)
+    counter.next_micro(0)  # micro-step 1, as the seeds above
+    add("blocks 64 x SMs, device seeds", [kern.bind_add_sr_multi(items[l], 1.0, (counter, l, [2 * i for i in range(
+        len(specs))]), "blocks", sms * 64) for l in range(L)])
 
     s = dev.stream()
     engine = dev.stream()
@@ -130,7 +114,7 @@ def main() -> int:
         rows.append(row)
         print(f"{name:<34}{us:>9.1f} us/layer  ratio {row['ratio']:.3f}  identical {same}", flush=True)
     best = max(rows, key=lambda r: r["ratio"])
-    for name in ("proportional 64 x SMs", best["variant"]):
+    for name in ("blocks 64 x SMs", best["variant"]):
         us = time_all(variants[name], True)
         row = {"variant": name + " + hand-over", "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6)}
         rows.append(row)

@@ -372,6 +372,13 @@ class GradientManager(ABC):
         tpl["count"] += 1
         tpl["steps"] += int(last)
 
+    def capture_closing(self, stream: int) -> None:
+        """A capture is ending, maybe inside a micro-step (an error): bring the communication
+        stream's captured work back into the captured stream so the capture can end cleanly."""
+        if self._in_micro:
+            self._record(self._comm_done, self.comm_stream)
+            self._comm_done.wait(stream)
+
     def capture_ended(self, graph: Any, failed: bool) -> Any:
         """Restore the host state saved at the capture's start and make the events valid for
         eager work again; return the template (ProtocolError for a partial micro-step)."""
