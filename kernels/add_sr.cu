@@ -54,13 +54,14 @@ ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, f32, float)
 ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
 
 // ---- multi-tensor add_sr: one launch for up to MULTI_MAX tensors (a layer's gradients) ----------
+// A persistent grid (as many blocks as fit on the GPU at once) strides over chunks of
+// CHUNK_THREADS * ADD_UNROLL groups of 8 elements; tensor t owns chunks [first[t], first[t + 1]).
+// Every block moves the same bytes per chunk whatever the tensor sizes, so a layer of a dozen
+// tensors of very different sizes runs like one large tensor (tools/bench_layer.py: 0.92 of copy
+// bandwidth for a 282 MB layer, where one block range per tensor reached 0.70-0.83).
 // Results equal separate add_sr launches (noise depends on the element index only). Tensor t's
 // seed is seed[t], or with a counter the per-use seed of (layer, lane = seed[t]) read when the
-// kernel runs. Two launch shapes (tools/bench_layer.py measures them):
-// - add_sr_multi_*: tensor t owns blocks [first[t], first[t + 1]) and runs the single-tensor
-//   grid-stride loop on them;
-// - add_sr_chunks_*: a persistent grid strides over chunks of CHUNK_THREADS * U groups of 8;
-//   tensor t owns chunks [first[t], first[t + 1]).
+// kernel runs (sr.cuh).
 enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256 };
 
 struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel parameters
@@ -72,37 +73,17 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel
   u32 layer;
 };
 
-// Every tensor's seed in shared memory (all threads of the block call this).
-__device__ __forceinline__ void multi_seeds(const MultiAddSr& m, u64 (&seeds)[MULTI_MAX]) {
+template <typename D, typename A, typename B> __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
+  __shared__ u64 seeds[MULTI_MAX];
   if (threadIdx.x < m.count)
     seeds[threadIdx.x] = m.counter ? counter_seed(m.counter, m.layer, (u32)m.seed[threadIdx.x]) : m.seed[threadIdx.x];
   __syncthreads();
-}
-
-template <typename D, typename A, typename B>
-__device__ __forceinline__ AddSr<D, A, B> multi_item(const MultiAddSr& m, const u64 (&seeds)[MULTI_MAX], u32 t) {
-  return AddSr<D, A, B>{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(seeds[t]), m.offset[t]};
-}
-
-template <typename D, typename A, typename B> __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
-  __shared__ u64 seeds[MULTI_MAX];
-  multi_seeds(m, seeds);
-  const u32 blk = blockIdx.x;
-  u32 t = 0;
-  while (t + 1 < m.count && blk >= m.first[t + 1]) ++t;
-  const u32 b0 = m.first[t];
-  AddSr<D, A, B> f = multi_item<D, A, B>(m, seeds, t);
-  for_each_group_in<ADD_UNROLL>(f, m.n[t], aligned16(m.dst[t] | m.a[t] | m.b[t]), blk - b0, m.first[t + 1] - b0);
-}
-
-template <int U, typename D, typename A, typename B> __device__ __forceinline__ void add_sr_chunks(const MultiAddSr& m) {
-  __shared__ u64 seeds[MULTI_MAX];
-  multi_seeds(m, seeds);
+  constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
-    AddSr<D, A, B> f = multi_item<D, A, B>(m, seeds, t);
+    const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(seeds[t]), m.offset[t]};
     const u64 n = m.n[t], full = n >> 3;
     const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
     const bool vec = aligned16(m.dst[t] | m.a[t] | m.b[t]);
@@ -112,6 +93,7 @@ template <int U, typename D, typename A, typename B> __device__ __forceinline__ 
       for (int u = 0; u < U; ++u) e[u] = 8 * (g + u * CHUNK_THREADS);
       f.template run<U, true>(e, 8u);
     } else {
+#pragma unroll
       for (int u = 0; u < U; ++u) {
         const u64 q = g + u * CHUNK_THREADS, e[1] = {8 * q};
         if (q < full) {
@@ -126,7 +108,7 @@ template <int U, typename D, typename A, typename B> __device__ __forceinline__ 
 }
 
 #define ADD_SR_MULTI_KERNEL(DN, D, AN, A, BN, B)                                                        \
-  extern "C" __global__ void __launch_bounds__(256, ADD_MIN_BLOCKS)                                     \
+  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, ADD_MIN_BLOCKS)                           \
   add_sr_multi_##DN##_##AN##_##BN(const __grid_constant__ MultiAddSr m) {                             \
     add_sr_multi<D, A, B>(m);                                                                          \
   }
@@ -135,13 +117,3 @@ ADD_SR_MULTI_KERNEL(f32, float, f32, float, f32, float)
 ADD_SR_MULTI_KERNEL(f32, float, f32, float, bf16, bf16_t)
 ADD_SR_MULTI_KERNEL(bf16, bf16_t, bf16, bf16_t, f32, float)
 ADD_SR_MULTI_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
-
-#define ADD_SR_CHUNKS_KERNEL(UN, MINB)                                                                  \
-  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, MINB)                                    \
-  add_sr_chunks##UN##_##MINB(const __grid_constant__ MultiAddSr m) {                                   \
-    add_sr_chunks<UN, bf16_t, bf16_t, bf16_t>(m);                                                      \
-  }
-ADD_SR_CHUNKS_KERNEL(2, 1)
-ADD_SR_CHUNKS_KERNEL(4, 1)
-ADD_SR_CHUNKS_KERNEL(2, 4)
-ADD_SR_CHUNKS_KERNEL(8, 1)

@@ -60,6 +60,7 @@ NORM_ARGS = (_u64, _u64, _u64)  # x, n, partials
 NORM_FINISH_ARGS = (_u64, _u32, _u64, _i32)  # partials, n_partials, out, accumulate
 PHILOX_KAT_ARGS = (_u64, _u64, _u64, _u64)  # ctr (n x 4 u32), key (n x 2 u32), out (n x 4 u32), n
 MULTI_MAX = 16  # tensors per multi-tensor launch (kernels/add_sr.cu)
+MULTI_CHUNK = 4096  # elements per chunk of the multi-tensor kernel: CHUNK_THREADS * ADD_UNROLL * 8
 # struct MultiAddSr: dst, a, b, seed, offset, n (MULTI_MAX each), first[MULTI_MAX + 1], count, scale, counter, layer
 ADD_SR_MULTI_ARGS = (_u64,) * (6 * MULTI_MAX) + (_u32,) * (MULTI_MAX + 1) + (_u32, _f32, _u64, _u32)
 SEED_COUNTER_ARGS = (_u64, _u32, _u64, _u32)  # counter, op, base, step
@@ -77,8 +78,6 @@ def _all_specs() -> dict[str, KernelSpec]:
     sr = ("f32", "bf16")
     specs = [KernelSpec("add_sr", f"add_sr_{d}_{a}_{b}", ADD_SR_ARGS) for d in sr for a in sr for b in sr]
     specs += [KernelSpec("add_sr", f"add_sr_multi_{d}_{d}_{b}", ADD_SR_MULTI_ARGS, struct=True) for d in sr for b in sr]
-    specs += [KernelSpec("add_sr", f"add_sr_chunks{u}_{mb}", ADD_SR_MULTI_ARGS, struct=True)
-              for u, mb in ((2, 1), (4, 1), (2, 4), (8, 1))]
     specs += [KernelSpec("reduce_sr", f"reduce_sr_{d}_{s}", REDUCE_SR_ARGS) for d in sr for s in sr]
     specs += [KernelSpec("fill_zero", "fill_zero_u8", FILL_ZERO_ARGS),
               KernelSpec("philox_kat", "philox_kat", PHILOX_KAT_ARGS),

@@ -37,7 +37,7 @@ class HostKernels:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: Any,
-                          shape: str = "blocks", blocks: int | None = None) -> Callable[[int], None]:
+                          blocks: int | None = None) -> Callable[[int], None]:
         def run(stream: int) -> None:
             for (dst, a, b, off), seed in zip(items, _seeds(seeds, len(items))):
                 self.add_sr(dst, a, b, scale, seed, off, stream)

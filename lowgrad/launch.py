@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _cuda, capture, trace
-from .compiler import (FILL_ZERO, KERNELS, MULTI_MAX, PHILOX_KAT, SEED_COUNTER, KernelSpec, add_sr_multi_spec,
+from .compiler import (FILL_ZERO, MULTI_CHUNK, MULTI_MAX, PHILOX_KAT, SEED_COUNTER, KernelSpec, add_sr_multi_spec,
                        add_sr_spec, compile_kernels, norm_squared_specs, reduce_sr_spec)
 from .dtypes import DType
 from .errors import ClosedError
@@ -132,6 +132,7 @@ class CudaKernels:
                          for name, cubin in compile_kernels(device.arch).items()}
         self._kernels: dict[Any, Kernel] = {}
         self._workspaces: dict[tuple[int, DType], Tensor] = {}
+        self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
         self.max_grid = device.sm_count * GRID_PER_SM
 
@@ -173,7 +174,8 @@ class CudaKernels:
         k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
         p, ps = dst.ptr, src.ptr
         if n:
-            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n, 0, 0, 0)
+            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n,
+                     0, 0, 0)
 
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
@@ -189,33 +191,27 @@ class CudaKernels:
         return run
 
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
-                          seeds: SeedSource, shape: str = "blocks", blocks: int | None = None
-                          ) -> Callable[[int], None]:
+                          seeds: SeedSource, blocks: int | None = None) -> Callable[[int], None]:
         """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
         of ``a``'s dtype) in launches of up to MULTI_MAX tensors, everything packed here, once.
         ``seeds``: a seed per item, or ``(counter, layer, lanes)`` (seeds read on the device when
-        the kernel runs). ``shape``/``blocks``: the launch shape (tools/bench_layer.py)."""
-        if shape == "blocks":
-            spec, per = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype), 2048
-        else:
-            spec, per = KERNELS[shape], 2048 * int(shape.split("_")[2][6:])
+        the kernel runs). The grid is the resident one (``blocks`` overrides it, for tuning)."""
+        spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
         counter, layer, cols_seed = _seed_columns(seeds, len(items))
-        limit = blocks or self.max_grid
+        grid_max = blocks or self.resident_blocks(func, spec.block)
         chunks = []
         for c in range(0, len(items), MULTI_MAX):
             part = items[c:c + MULTI_MAX]
             k, z = Kernel(spec, func), [0] * (MULTI_MAX - len(part))
-            total = sum(d.numel for d, _, _, _ in part) or 1
             first = [0]
             for d, _, _, _ in part:
-                units = -(-d.numel // per)
-                first.append(first[-1] + (units if shape != "blocks" else
-                                          max(1, min(units, -(-limit * d.numel // total)))))
+                first.append(first[-1] + -(-d.numel // MULTI_CHUNK))
             cols = [[item[j].ptr for item in part] + z for j in range(3)]
             k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
                    *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter, layer)
-            chunks.append((k, first[-1] if shape == "blocks" else min(first[-1], limit)))
+            if first[-1]:
+                chunks.append((k, min(first[-1], grid_max)))
         allocs = tuple(t._alloc for item in items for t in item[:3]) + _counter_alloc(seeds)
         name = items[0][0].name
 
@@ -224,6 +220,16 @@ class CudaKernels:
             for k, grid in chunks:
                 k.launch_packed(grid, stream)
         return run
+
+    def resident_blocks(self, func: int, block: int) -> int:
+        """Blocks of ``func`` that fit on the whole GPU at once (its occupancy x SMs)."""
+        n = self._resident.get(func)
+        if n is None:
+            drv = _cuda.driver()
+            per_sm = _cuda.check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                                 drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(drv.CUfunction(func), block, 0))
+            n = self._resident[func] = max(1, int(per_sm)) * self.device.sm_count
+        return n
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int, seed: SeedSource) -> Callable[[int], None]:

@@ -98,7 +98,7 @@ def test_replayed_micro_steps_are_bit_identical_to_eager(strategy: str, offload:
             for key in a:
                 assert np.array_equal(a[key], b[key]), (strategy, offload, M, key)
             results.append(b)
-        if M > 1 and strategy != "unsharded":  # the same inputs, fresh noise each step: SR results differ
+        if M > 2 and strategy != "unsharded":  # the same inputs, fresh noise each step: SR results differ
             assert any(not np.array_equal(results[0][k], results[1][k]) for k in results[0])
         for g in graphs.values():
             g.close()

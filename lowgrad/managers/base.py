@@ -117,7 +117,8 @@ class GradientManager(ABC):
         if micro_step != expected:
             raise ProtocolError(f"micro-step {micro_step} started, expected {expected} (step {self.step})")
         if micro_step > 0 and total_micro_steps != self._total:
-            raise ProtocolError(f"total_micro_steps changed from {self._total} to {total_micro_steps} within step {self.step}")
+            raise ProtocolError(f"total_micro_steps changed from {self._total} to {total_micro_steps} "
+                                f"within step {self.step}")
         if micro_step >= total_micro_steps:
             raise ProtocolError(f"micro-step {micro_step} out of range for {total_micro_steps} micro-steps")
         self._in_micro, self._micro, self._total = True, micro_step, total_micro_steps
