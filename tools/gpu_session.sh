@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go (one device call): doctor, the GPU tests, the kernel,
-# manager and NCCL benchmarks, the demo, and the example LM trained through lowgrad (PyTorch and
+# per-layer, CUDA-graph, manager and NCCL benchmarks, the demo, and the example LM trained through lowgrad (PyTorch and
 # CuPy engines; SR bf16 vs fp32 vs round-to-nearest bf16 accumulation) with its loss plot.
 # Outputs go to $OUT/run/ and are packed into $OUT/results.tar (the plot also as $OUT/losses.png).
 #   bash tools/gpu_session.sh            (from the repository root; PYTHONPATH=. is set here)
@@ -14,6 +14,8 @@ step doctor 120 python3 -m lowgrad doctor; cat "$R/doctor.log"
 step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider; tail -4 "$R/gpu_tests.log"
 step bench_kernels 200 python3 tools/bench_kernels.py --json "$R/bench_kernels.json"; tail -32 "$R/bench_kernels.log"
 step bench_manager 200 python3 tools/bench_manager.py --json "$R/bench_manager.json"; tail -9 "$R/bench_manager.log"
+step bench_layer 150 python3 tools/bench_layer.py --json "$R/bench_layer.json"; tail -16 "$R/bench_layer.log"
+step bench_graph 150 python3 tools/bench_graph.py --json "$R/bench_graph.json"; tail -5 "$R/bench_graph.log"
 step bench_manager_only 120 python3 tools/bench_manager.py --manager-only --strategies scatter_reduce,all_to_all \
   --json "$R/bench_manager_only.json"; tail -5 "$R/bench_manager_only.log"
 step nccl_bench 150 python3 tools/nccl_bench.py --max-bytes 256M --dtypes bf16 --json "$R/nccl_bench.json"
