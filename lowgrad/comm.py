@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import nccl
+from . import capture, nccl
 from .collective import CommBase, Group, all_to_all_schedule
 from .dtypes import byte, fp8_e4m3
 from .errors import CommAbortedError, CommTimeoutError, NcclError
@@ -68,6 +68,7 @@ class Communicator(CommBase):
             raise ValueError(f"{call}: tensor {t.name!r} is {t.kind} memory: NCCL needs device memory here")
         if t.dtype is fp8_e4m3 and not self._fp8:
             raise TypeError(f"{call}: fp8_e4m3 needs NCCL >= 2.24, loaded {nccl.version()}")
+        capture.keep_tensors(t)  # a graph being captured holds the buffers its NCCL calls use
 
     def _stream(self, stream: StreamLike) -> int:
         if stream is None and self._group is not None:
@@ -262,6 +263,7 @@ class Communicator(CommBase):
         both abort the communicator first. An ``abort()`` from another thread raises
         CommAbortedError here."""
         self._check_open("wait")
+        capture.forbid("Communicator.wait (a host sync)")
         self.device.activate()
         target = what if hasattr(what, "query") else self.device.resolve_stream(what)
         self._poll("wait", self.timeout if timeout is None else float(timeout), lambda state: target.query())

@@ -220,3 +220,38 @@ def test_manager_refuses_a_foreign_capture() -> None:
             drv.cuGraphDestroy(graph)
 
     lg.run_threads(1, job, backend="cuda")
+
+
+def test_nccl_collectives_replay_in_a_graph_at_world_1() -> None:
+    """A kernel and NCCL all-reduce, reduce-scatter and a grouped all-gather captured together:
+    every replay runs all of them (x grows by one per replay, as the eager loop)."""
+
+    def job(comm: Any) -> None:
+        dev = comm.device
+        s = dev.stream()
+        x0 = np.arange(64, dtype=np.float32)
+        x, eager = lg.from_numpy(x0, dev, name="x"), lg.from_numpy(x0, dev, name="x_eager")
+        one = lg.from_numpy(np.ones(64, np.float32), dev, name="one")
+        out = dev.alloc(64, lg.fp32, name="gathered")
+
+        def work(t: lg.Tensor) -> None:
+            lg.ops.add_sr(t, t, one, 1.0, seed=0, stream=s)
+            comm.all_reduce(t, op="sum", stream=s)
+            comm.reduce_scatter(t, op="avg", stream=s)
+            with comm.group(s):
+                comm.all_gather(t, out, stream=s)
+
+        work(eager)  # warm-up: NCCL's first use of the stream
+        s.synchronize()
+        g = lg.Graph(dev)
+        with g.capture(s):
+            work(x)
+        for _ in range(3):
+            g.replay(s)
+            work(eager)
+        s.synchronize()
+        assert np.array_equal(x.numpy(), x0 + 3) and np.array_equal(eager.numpy(), x0 + 4)
+        assert np.array_equal(out.numpy(), x0 + 4)  # the last all-gather ran eagerly, after the replays
+        assert g.kernel_nodes >= 1
+
+    lg.run_threads(1, job, backend="cuda")

@@ -416,6 +416,55 @@ def test_ops_bind_add_sr_checks_index_range_at_bind(n, data) -> None:
         ops.bind_add_sr(dst, a, b, 1.0, index_offset=off)
 
 
+bad_u32 = st.one_of(st.integers(max_value=-1), st.integers(min_value=1 << 32), st.floats(), st.booleans(),
+                    st.none(), st.text(max_size=3))
+
+
+@st.composite
+def bad_seed_source(draw, count: int, dev: lowgrad.HostDevice):
+    """Seeds for ``count`` SR uses that check_seed_source must refuse."""
+    counter = lowgrad.SeedCounter(dev, 1, 0)
+    kind = draw(st.sampled_from(["seed", "count", "counter_type", "layer", "lane", "lanes_len", "device", "shape"]))
+    if kind == "seed":
+        return [draw(bad_seeds) if i == 0 else 1 for i in range(count)]
+    if kind == "count":
+        return draw(st.lists(st.integers(0, 9), max_size=5).filter(lambda v: len(v) != count))
+    if kind == "counter_type":
+        return (draw(not_tensors), 0, [0] * count)
+    if kind == "layer":
+        return (counter, draw(bad_u32), [0] * count)
+    if kind == "lane":
+        return (counter, 0, [draw(bad_u32)] * count)
+    if kind == "lanes_len":
+        return (counter, 0, [0] * (count + draw(st.integers(1, 3))))
+    if kind == "device":
+        return (lowgrad.SeedCounter(host(), 1, 0), 0, [0] * count)
+    return (counter, 0)  # a tuple of the wrong shape
+
+
+@FAST
+@given(st.integers(1, 4), st.data())
+def test_bound_sr_launches_reject_bad_seed_sources(count, data) -> None:
+    """bind_add_sr_multi / bind_reduce_sr refuse bad seeds (fixed or counter-based) at bind time."""
+    dev = host()
+    items = [(t, t, alloc_filled(dev, 8, lowgrad.bf16, "b"), 0) for t in
+             (alloc_filled(dev, 8, lowgrad.bf16, "d") for _ in range(count))]
+    rejects(lambda: ops.bind_add_sr_multi(items, data.draw(bad_seed_source(count, dev))), *[it[0] for it in items])
+    dst, src = alloc_filled(dev, 4, lowgrad.fp32, "d"), alloc_filled(dev, 8, lowgrad.bf16, "s")
+    rejects(lambda: ops.bind_reduce_sr(dst, src, 2, seed=data.draw(bad_seed_source(1, dev))), dst)
+
+
+@FEW
+@given(st.one_of(st.integers(max_value=-1), st.integers(min_value=U64)), st.integers(0, 3),
+       st.integers(min_value=1 << 32), st.integers(0, 3))
+def test_seed_counter_rejects_out_of_range_base_and_step(bad_base, ok_step, bad_step, ok_base) -> None:
+    dev = host()
+    with pytest.raises(ValueError):
+        lowgrad.SeedCounter(dev, bad_base, ok_step)
+    with pytest.raises(ValueError):
+        lowgrad.SeedCounter(dev, ok_base, bad_step)
+
+
 @st.composite
 def bad_reduce_sr_call(draw):
     dev = host()
