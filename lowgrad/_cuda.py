@@ -6,6 +6,7 @@ Works with cuda-bindings 12.x and 13.x.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -45,6 +46,22 @@ def driver() -> Any:
             raise CudaUnavailableError(_unavailable)
         _driver = drv
         return drv
+
+
+_c_functions: dict[str, Any] = {}
+
+
+def c_function(name: str, *argtypes: Any) -> Any:
+    """``name`` from libcuda (already loaded by :func:`driver`) as a typed ctypes function
+    returning the CUresult as an int: the hot paths (launches, event record/wait, graph launch)
+    call these with int handles instead of going through the binding's argument conversion."""
+    f = _c_functions.get(name)
+    if f is None:
+        driver()
+        f = ctypes.CDLL("libcuda.so.1")[name]
+        f.argtypes, f.restype = list(argtypes), ctypes.c_int
+        _c_functions[name] = f
+    return f
 
 
 def available() -> bool:

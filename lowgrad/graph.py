@@ -39,19 +39,7 @@ from .stream import StreamLike, stream_handle
 
 _CAPTURE_MODE_THREAD_LOCAL = 1
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
-_c_graph_launch: Any = None
-
-
-def _graph_launch() -> Any:
-    global _c_graph_launch
-    if _c_graph_launch is None:
-        f = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _c_graph_launch = f
-    return _c_graph_launch
-
-
+_graph_launch: Any = None  # cuGraphLaunch through ctypes (lowgrad._cuda.c_function)
 class Participant(Protocol):
     """What a graph calls on an object (a gradient manager) that recorded itself in a capture."""
 
@@ -187,6 +175,9 @@ class Graph:
             drv.cuGraphDestroy(graph)
             raise
         self._graph, self._exec_handle = graph, int(self._exec)
+        global _graph_launch
+        if _graph_launch is None:
+            _graph_launch = _cuda.c_function("cuGraphLaunch", ctypes.c_void_p, ctypes.c_void_p)
         nodes = _cuda.check("cuGraphGetNodes", drv.cuGraphGetNodes(graph, 0))[1]
         listed = _cuda.check("cuGraphGetNodes", drv.cuGraphGetNodes(graph, nodes))[0] if nodes else []
         self.nodes = len(listed)
@@ -206,7 +197,7 @@ class Graph:
         applied = [(p, p.replay_check(t)) for p, t in self._participants.items()]
         for p, _ in applied:
             p.replay_before(h)
-        err = _graph_launch()(self._exec_handle, h)
+        err = _graph_launch(self._exec_handle, h)
         if err:
             raise _cuda.fail("cuGraphLaunch", err)
         for p, a in applied:

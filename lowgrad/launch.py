@@ -2,8 +2,8 @@
 arguments into a buffer made once per kernel.
 
 The launch itself calls the driver's ``cuLaunchKernel`` through ctypes on the libcuda that
-cuda.bindings already loaded (about 1 µs a call, against about 5 µs through the binding's
-generic argument conversion); everything else goes through cuda.bindings.
+cuda.bindings already loaded (:func:`lowgrad._cuda.c_function`: no argument conversion per
+call); everything else goes through cuda.bindings.
 """
 from __future__ import annotations
 
@@ -26,21 +26,6 @@ NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
 
 _FMT = {ctypes.c_uint64: "Q", ctypes.c_int64: "q", ctypes.c_uint32: "I", ctypes.c_int32: "i",
         ctypes.c_float: "f", ctypes.c_double: "d"}
-_c_launch: Any = None
-
-
-def _driver_launch() -> Any:
-    """libcuda's cuLaunchKernel as a typed ctypes function (the library is already loaded)."""
-    global _c_launch
-    if _c_launch is None:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-        u = ctypes.c_uint
-        f.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _c_launch = f
-    return _c_launch
-
-
 class Kernel:
     """One ``extern "C"`` entry point with its argument buffer, packed in place per launch.
 
@@ -70,7 +55,8 @@ class Kernel:
         self._ptrs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self._params = ctypes.addressof(self._ptrs)
         self._lock = threading.Lock()
-        self._launch = _driver_launch()
+        v, u = ctypes.c_void_p, ctypes.c_uint
+        self._launch = _cuda.c_function("cuLaunchKernel", v, u, u, u, u, u, u, u, v, v, v)
 
     def launch(self, grid: int, stream: int, *args: Any) -> None:
         """Queue one launch of ``grid`` blocks on raw stream ``stream`` (asynchronous)."""
@@ -212,7 +198,7 @@ class CudaKernels:
                    *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter, layer)
             if first[-1]:
                 chunks.append((k, min(first[-1], grid_max)))
-        allocs = tuple(t._alloc for item in items for t in item[:3]) + _counter_alloc(seeds)
+        allocs = tuple(dict.fromkeys([t._alloc for item in items for t in item[:3]])) + _counter_alloc(seeds)
         name = items[0][0].name
 
         def run(stream: int) -> None:

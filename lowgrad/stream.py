@@ -8,6 +8,7 @@ cuda.core) or a ``cuda_stream`` attribute (PyTorch).
 """
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -101,8 +102,7 @@ class Stream:
     def wait(self, event: Event) -> None:
         """Make future work on this stream wait for ``event`` (no host sync)."""
         self._live()
-        event._live()
-        _cuda.check("cuStreamWaitEvent", _cuda.driver().cuStreamWaitEvent(self._cu, event._cu, 0))
+        event.wait(self.handle)
 
     def close(self) -> None:
         """Destroy an owned stream (a wrapped one is only forgotten)."""
@@ -131,14 +131,14 @@ def _destroy_stream(drv: Any, cu: Any) -> None:
 class Event:
     """A CUDA event. ``timing=True`` enables :meth:`elapsed_ms`; ``name`` labels it in traces."""
 
-    __slots__ = ("device", "name", "timing", "_cu", "_finalizer", "_closed", "__weakref__")
+    __slots__ = ("device", "name", "timing", "handle", "_cu", "_finalizer", "_closed", "__weakref__")
 
     def __init__(self, device: Device, timing: bool = False, name: str = "") -> None:
         drv = _cuda.driver()
         device.activate()
         flags = 0 if timing else _CU_EVENT_DISABLE_TIMING
         self._cu = _cuda.check("cuEventCreate", drv.cuEventCreate(flags))
-        self.device, self.name, self.timing, self._closed = device, name, timing, False
+        self.device, self.name, self.timing, self._closed, self.handle = device, name, timing, False, int(self._cu)
         self._finalizer = weakref.finalize(self, _destroy_event, drv, self._cu)
 
     def _live(self) -> None:
@@ -149,15 +149,18 @@ class Event:
         """Record this event on ``stream`` (asynchronous); returns self."""
         if self._closed:
             self._live()
-        _cuda.check("cuEventRecord", _cuda.driver().cuEventRecord(self._cu, stream_handle(stream)))
+        err = _record()(self.handle, stream_handle(stream))
+        if err:
+            raise _cuda.fail("cuEventRecord", err)
         return self
 
     def wait(self, stream: StreamLike = None) -> None:
         """Make ``stream`` wait for this event (no host sync)."""
         if self._closed:
             self._live()
-        _cuda.check("cuStreamWaitEvent",
-                    _cuda.driver().cuStreamWaitEvent(stream_handle(stream), self._cu, 0))
+        err = _wait_event()(stream_handle(stream), self.handle, 0)
+        if err:
+            raise _cuda.fail("cuStreamWaitEvent", err)
 
     def query(self) -> bool:
         """True when the work captured by the last record has completed."""
@@ -190,6 +193,14 @@ class Event:
 
     def __repr__(self) -> str:
         return f"Event(device={self.device.ordinal}, name={self.name!r})"
+
+
+def _record() -> Any:
+    return _cuda.c_function("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
+
+
+def _wait_event() -> Any:
+    return _cuda.c_function("cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 
 
 def _destroy_event(drv: Any, cu: Any) -> None:

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TextIO
 
 try:
@@ -45,12 +45,16 @@ def log(kind: str, name: str, **fields: Any) -> None:
         _out.write(f"lowgrad-trace {time.monotonic():.6f} {threading.current_thread().name} {kind} {name} {extra}\n")
 
 
+_NO_RANGE = nullcontext()
+
+
+def nvtx_range(name: str) -> AbstractContextManager[None]:
+    """An NVTX range around the block when the ``nvtx`` package is present (else a shared no-op)."""
+    return _NO_RANGE if _nvtx is None else _range(name)
+
+
 @contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX range around the block when the ``nvtx`` package is present."""
-    if _nvtx is None:
-        yield
-        return
+def _range(name: str) -> Iterator[None]:
     _nvtx.push_range(name)
     try:
         yield

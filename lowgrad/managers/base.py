@@ -80,6 +80,7 @@ class GradientManager(ABC):
         self._saved: tuple[Any, ...] = ()
         self._template: dict[str, Any] = {}
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream)
+        self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -182,7 +183,7 @@ class GradientManager(ABC):
         """The engine finished writing layer ``layer``'s gradients on ``stream``: queue the
         exchange and accumulation on the manager's communication stream."""
         self._check_notify(layer)
-        with nvtx_range(f"lowgrad.exchange layer {layer}"):
+        with nvtx_range(self._range_names[layer]):
             self._join(stream)
             self._exchange_block(layer)
 
