@@ -125,7 +125,7 @@ class Config:
     @property
     def label(self) -> str:
         return (f"{self.backend}/{self.device} {self.accum} {self.strategy}{' offload' if self.offload else ''} "
-                f"world {self.world}")
+                f"world {self.world}{f' seed {self.seed}' if self.seed else ''}")
 
 
 # ---- data ----------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ step nccl_bench 150 python3 tools/nccl_bench.py --max-bytes 256M --dtypes bf16 -
 tail -22 "$R/nccl_bench.log"
 step demo 200 python3 -m lowgrad demo --json "$R/demo.json"; grep -v '^\[' "$R/demo.log" | head -8
 LM=(--hidden 256 --layers 4 --embed 32 --batch 256 --micro-steps 8 --steps 100 --lr 5e-3 --weight-decay 0.1 --log-every 50)
+# seed 1 runs of SR and fp32: the run-to-run noise the SR-vs-fp32 difference is compared with
 for run in "torch_sr_bf16 --backend torch" "torch_fp32 --backend torch --accum fp32" \
-           "torch_rn_bf16 --backend torch --accum rn_bf16" "cupy_sr_bf16 --backend cupy"; do
+           "torch_rn_bf16 --backend torch --accum rn_bf16" "cupy_sr_bf16 --backend cupy" \
+           "torch_sr_bf16_seed1 --backend torch --seed 1" "torch_fp32_seed1 --backend torch --accum fp32 --seed 1"; do
   set -- $run; name=$1; shift
   step "lm_$name" 150 python3 examples/train_lm.py "$@" "${LM[@]}" --json "$R/lm/$name.json"; tail -2 "$R/lm_$name.log"
 done
