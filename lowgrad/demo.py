@@ -144,7 +144,7 @@ def _rank_job(comm: Any, args: argparse.Namespace, layout: Layout, pool: np.ndar
         stream.synchronize()
         comm.barrier()
         t1 = time.perf_counter()
-    shards = {}
+    shards: dict[tuple[int, int], Any] = {}
     for i, s in enumerate(layout.non_block):
         shards[(-1, i)] = gm.non_block_shard(s.name, stream)
     for layer in range(layout.num_layers):

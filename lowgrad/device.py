@@ -190,7 +190,7 @@ class Device(DeviceBase):
     def __repr__(self) -> str:
         return f"Device({self.ordinal})"
 
-    def __reduce__(self) -> tuple[type, tuple[int]]:
+    def __reduce__(self) -> tuple[type, tuple[int | None]]:
         return (Device, (self.ordinal,))
 
 

@@ -193,7 +193,7 @@ class CudaKernels:
             first = [0]
             for d, _, _, _ in part:
                 first.append(first[-1] + -(-d.numel // MULTI_CHUNK))
-            cols = [[item[j].ptr for item in part] + z for j in range(3)]
+            cols = [[t.ptr for t in column] + z for column in zip(*[item[:3] for item in part])]
             k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
                    *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter, layer)
             if first[-1]:

@@ -270,4 +270,4 @@ def llama_layout(config: Mapping[str, Any] | str | os.PathLike) -> Layout:
     non_block = [ParamSpec("embed_tokens.weight", (vocab, hidden)), ParamSpec("norm.weight", (hidden,))]
     if not tied:
         non_block.append(ParamSpec("lm_head.weight", (vocab, hidden)))
-    return Layout(block=block, non_block=non_block, num_layers=layers)
+    return Layout(block=tuple(block), non_block=tuple(non_block), num_layers=layers)

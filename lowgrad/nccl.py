@@ -137,20 +137,21 @@ def _load() -> ctypes.CDLL:
                 raise NcclLibraryError(f"LOWGRAD_NCCL_LIBRARY={env!r} cannot be loaded as NCCL: {exc}") from exc
         else:
             tried: list[str] = []
-            lib = None
+            found: ctypes.CDLL | None = None
             for path in _wheel_candidates() + [ctypes.util.find_library("nccl") or "", "libnccl.so.2"]:
                 if not path or path in tried:
                     continue
                 tried.append(path)
                 try:
-                    lib = _open(path)
+                    found = _open(path)
                     break
                 except (OSError, AttributeError):
                     continue
-            if lib is None:
+            if found is None:
                 raise NcclLibraryError(
                     "NCCL not found: install nvidia-nccl-cu12 or nvidia-nccl-cu13, or set "
                     f"LOWGRAD_NCCL_LIBRARY to libnccl.so.2 (tried: {', '.join(tried)})")
+            lib = found
         for name, args in _PROTOTYPES.items():
             fn = getattr(lib, name)
             if args is None:
