@@ -40,6 +40,8 @@ from .stream import StreamLike, stream_handle
 _CAPTURE_MODE_THREAD_LOCAL = 1
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _graph_launch: Any = None  # cuGraphLaunch through ctypes (lowgrad._cuda.c_function)
+
+
 class Participant(Protocol):
     """What a graph calls on an object (a gradient manager) that recorded itself in a capture."""
 
