@@ -13,6 +13,12 @@ Protocol (DESIGN.md, "Gradient managers"), per micro-batch::
 then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``.
 Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
 ordered by events; none blocks the host.
+
+Seeds: the SR kernels read the manager's :class:`~lowgrad.seedcounter.SeedCounter` (device
+memory) when they run; ``start_micro_step`` and the last ``end_micro_step`` queue its advance on
+the communication stream. Micro-steps may be captured in a :class:`lowgrad.Graph`: inside a
+capture the manager records a template and leaves its state alone; each replay checks the
+template against the next micro-step and advances the state (see :mod:`lowgrad.graph`).
 """
 from __future__ import annotations
 
