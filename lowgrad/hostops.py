@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from . import reference
-from .seedcounter import COUNTER_DTYPE, apply_op
+from .seedcounter import COUNTER_DTYPE, SeedSource, apply_op
 from .tensor import Tensor
 
 
-def _seeds(seeds: Any, count: int) -> list[int]:
-    """Seeds fixed at bind time, or those of a ``(counter, layer, lane(s))`` right now."""
-    if isinstance(seeds, tuple):
-        counter, layer, lanes = seeds
-        return counter.host_seeds(layer, list(lanes) if isinstance(lanes, (list, tuple)) else [lanes] * count)
-    return list(seeds) if isinstance(seeds, (list, tuple)) else [seeds]
+def _seeds(source: SeedSource) -> list[int]:
+    """The fixed seeds, or those a counter's ``(layer, lanes)`` give right now."""
+    counter, layer, values = source
+    return values if counter is None else counter.host_seeds(layer, values)
 
 
 class HostKernels:
@@ -36,16 +33,16 @@ class HostKernels:
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: Any,
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource,
                           blocks: int | None = None) -> Callable[[int], None]:
         def run(stream: int) -> None:
-            for (dst, a, b, off), seed in zip(items, _seeds(seeds, len(items))):
+            for (dst, a, b, off), seed in zip(items, _seeds(seeds)):
                 self.add_sr(dst, a, b, scale, seed, off, stream)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int, seed: Any) -> Callable[[int], None]:
-        return lambda stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, _seeds(seed, 1)[0],
+                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
+        return lambda stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, _seeds(seed)[0],
                                              index_offset, stream)
 
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:

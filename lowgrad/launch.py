@@ -18,6 +18,7 @@ from .compiler import (FILL_ZERO, MULTI_CHUNK, MULTI_MAX, PHILOX_KAT, SEED_COUNT
                        add_sr_spec, compile_kernels, norm_squared_specs, reduce_sr_spec)
 from .dtypes import DType
 from .errors import ClosedError
+from .seedcounter import SeedSource
 from .tensor import Tensor
 
 ELEMS_PER_THREAD = 8  # one Philox call covers 8 consecutive elements
@@ -82,19 +83,9 @@ class Kernel:
             trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), packed=True)
 
 
-SeedSource = Any  # seeds (int or list of ints) or (SeedCounter, layer, lane or lanes)
-
-
-def _seed_columns(seeds: SeedSource, count: int) -> tuple[int, int, list[int]]:
-    """(counter address or 0, layer, per-item seed or lane) for the kernels' seed arguments."""
-    if isinstance(seeds, tuple):
-        counter, layer, lanes = seeds
-        return counter.tensor.ptr, layer, list(lanes) if isinstance(lanes, (list, tuple)) else [lanes] * count
-    return 0, 0, list(seeds)
-
-
-def _counter_alloc(seeds: SeedSource) -> tuple[Any, ...]:
-    return (seeds[0].tensor._alloc,) if isinstance(seeds, tuple) else ()
+def _counter_args(counter: Any) -> tuple[int, tuple[Any, ...]]:
+    """The counter's device address (0: fixed seeds) and the allocation a bound launch must check."""
+    return (counter.tensor.ptr, (counter.tensor._alloc,)) if counter is not None else (0, ())
 
 
 def _check_open(allocs: tuple[Any, ...], name: str) -> None:
@@ -180,11 +171,12 @@ class CudaKernels:
                           seeds: SeedSource, blocks: int | None = None) -> Callable[[int], None]:
         """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
         of ``a``'s dtype) in launches of up to MULTI_MAX tensors, everything packed here, once.
-        ``seeds``: a seed per item, or ``(counter, layer, lanes)`` (seeds read on the device when
-        the kernel runs). The grid is the resident one (``blocks`` overrides it, for tuning)."""
+        ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
+        read on the device when the kernel runs). The grid is the resident one (``blocks`` overrides it, for tuning)."""
         spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
-        counter, layer, cols_seed = _seed_columns(seeds, len(items))
+        counter, layer, cols_seed = seeds
+        counter_ptr, counter_alloc = _counter_args(counter)
         grid_max = blocks or self.resident_blocks(func, spec.block)
         chunks = []
         for c in range(0, len(items), MULTI_MAX):
@@ -195,10 +187,11 @@ class CudaKernels:
                 first.append(first[-1] + -(-d.numel // MULTI_CHUNK))
             cols = [[t.ptr for t in column] + z for column in zip(*[item[:3] for item in part])]
             k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
-                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter, layer)
+                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter_ptr,
+                   layer)
             if first[-1]:
                 chunks.append((k, min(first[-1], grid_max)))
-        allocs = tuple(dict.fromkeys([t._alloc for item in items for t in item[:3]])) + _counter_alloc(seeds)
+        allocs = tuple(dict.fromkeys([t._alloc for item in items for t in item[:3]])) + counter_alloc
         name = items[0][0].name
 
         def run(stream: int) -> None:
@@ -219,12 +212,14 @@ class CudaKernels:
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int, seed: SeedSource) -> Callable[[int], None]:
-        """``f(stream)``: this reduce_sr packed once; ``seed`` an int or ``(counter, layer, lane)``."""
+        """``f(stream)``: this reduce_sr packed once; ``seed``: ``(None, 0, [seed])`` or
+        ``(counter, layer, [lane])``."""
         spec, n = reduce_sr_spec(dst.dtype, src.dtype), dst.numel
         k = Kernel(spec, self.kernel(spec).func)
-        counter, layer, (s,) = _seed_columns(seed if isinstance(seed, tuple) else [seed], 1)
-        k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter, layer, s)
-        grid, allocs = self.grid(n), (dst._alloc, src._alloc) + _counter_alloc(seed)
+        counter, layer, (s,) = seed
+        counter_ptr, counter_alloc = _counter_args(counter)
+        k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter_ptr, layer, s)
+        grid, allocs = self.grid(n), (dst._alloc, src._alloc) + counter_alloc
 
         def run(stream: int) -> None:
             _check_open(allocs, dst.name)

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import capture
 from .dtypes import DType, bf16, fp32, fp64
-from .seedcounter import SeedCounter
+from .seedcounter import SeedCounter, SeedSource
 from .stream import StreamLike, stream_handle
 from .tensor import Tensor
 
@@ -142,30 +142,32 @@ def bind_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, index_off
     return dev.kernels.bind_add_sr(dst, a, b, scale, index_offset)
 
 
-def check_seed_source(seeds: Any, count: int, device: Any) -> Any:
+def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     """Validate ``seeds`` for ``count`` SR uses on ``device``: ``count`` fixed 64-bit seeds (an int
     when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
     whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
-    or ``count`` ints, each ``2 * tensor + phase``)."""
+    or ``count`` ints, each ``2 * tensor + phase``). Returns the backends' form,
+    :data:`~lowgrad.seedcounter.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
+    with one entry per use."""
     if isinstance(seeds, tuple):
         if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):
             raise TypeError("seeds must be seed ints or (SeedCounter, layer, lanes)")
         counter, layer, lanes = seeds
         if counter.device is not device:
             raise ValueError(f"seed counter lives on {counter.device!r}, the tensors on {device!r}")
-        many = lanes if isinstance(lanes, (list, tuple)) else [lanes]
+        one_each: list[int] = list(lanes) if isinstance(lanes, (list, tuple)) else [lanes] * count
         if isinstance(lanes, (list, tuple)) and len(lanes) != count:
             raise ValueError(f"{len(lanes)} lanes for {count} tensors")
-        for v, what in ((layer, "layer"), *((x, "lane") for x in many)):
+        for v, what in ((layer, "layer"), *((x, "lane") for x in one_each)):
             if type(v) is not int or not 0 <= v < _U32:
                 raise ValueError(f"seed counter {what} must be an int in [0, 2**32), got {v!r}")
-        return seeds
+        return counter, layer, one_each
     many = [seeds] if count == 1 and not isinstance(seeds, (list, tuple)) else seeds
     if not isinstance(many, (list, tuple)) or len(many) != count:
         raise ValueError(f"need {count} seeds, got {seeds!r}")
     for v in many:
         check_seed(v, 0)
-    return list(many)
+    return None, 0, list(many)
 
 
 def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0
@@ -228,9 +230,8 @@ def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scal
     """``reduce_sr`` checked and packed once, ``seed`` an int or ``(counter, layer, lane)`` (see
     :func:`check_seed_source`); the returned ``f(stream)`` queues it on ``stream`` (an int handle)."""
     dev, scale, _, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, 0, index_offset)
-    seed = check_seed_source(seed, 1, dev)
     return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), index_offset,
-                                      seed if isinstance(seed, tuple) else seed[0])
+                                      check_seed_source(seed, 1, dev))
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:

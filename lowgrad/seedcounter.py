@@ -19,6 +19,9 @@ from .stream import StreamLike, stream_handle
 #: the layout of ``struct SeedCounter`` (kernels/sr.cuh)
 COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4")])
 SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
+#: what the backends' bound SR launches take (lowgrad.ops.check_seed_source makes it): (a counter,
+#: its layer, one lane per SR use) or (None, 0, one fixed seed per SR use)
+SeedSource = tuple["SeedCounter | None", int, list[int]]
 _U32, _U64 = 1 << 32, 1 << 64
 
 

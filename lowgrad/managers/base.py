@@ -337,10 +337,8 @@ class GradientManager(ABC):
             if state.get(key) != getattr(self, key):
                 raise ValueError(f"state {key} {state.get(key)!r} does not match this manager's {getattr(self, key)!r}")
         ops.check_seed(state["base_seed"], 0)
-        if not isinstance(state["step"], int) or state["step"] < 0:
-            raise ValueError(f"state step must be a non-negative int, got {state['step']!r}")
-        if not state["step"] < 1 << 32:
-            raise ValueError(f"state step must be below 2**32, got {state['step']!r}")
+        if not isinstance(state["step"], int) or not 0 <= state["step"] < 1 << 32:
+            raise ValueError(f"state step must be an int in [0, 2**32), got {state['step']!r}")
         capture.forbid("load_state_dict")
         self.base_seed, self.step = int(state["base_seed"]), int(state["step"])
         self._counter.set(self.base_seed, self.step, self.comm_stream)
