@@ -62,11 +62,12 @@ class Result:
 
 def _layout(args: argparse.Namespace, backend: str) -> Layout:
     cfg: Any = args.config or ("tiny" if backend == "host" else GPU_DEFAULT)
-    if args.layers is not None:
-        from .layout import _load_config
+    if args.layers is None:
+        return llama_layout(cfg)
+    from .layout import _load_config, _layout_from_config
 
-        cfg = dict(_load_config(cfg), num_hidden_layers=args.layers)
-    return llama_layout(cfg)
+    loaded, src = _load_config(cfg)
+    return _layout_from_config(dict(loaded, num_hidden_layers=args.layers), src)
 
 
 def _pool_offsets(rank: int, micro: int, layer: int, tensor: int) -> int:
