@@ -40,7 +40,7 @@ def check_timeout(timeout: Any, default: float = DEFAULT_TIMEOUT) -> float:
 def wait_slice(left: float) -> float:
     """A blocking wait of ``left`` seconds capped to :data:`WAIT_SLICE` (``Condition.wait``,
     ``socket.settimeout`` and ``Lock.acquire`` overflow on ``inf``); callers loop to the deadline."""
-    return left if left < WAIT_SLICE else WAIT_SLICE
+    return min(left, WAIT_SLICE)
 
 
 def check_op(call: str, op: str, allowed: tuple[str, ...]) -> int:

@@ -84,7 +84,7 @@ def _layout(args: argparse.Namespace, backend: str) -> Layout:
     cfg: Any = args.config or ("tiny" if backend == "host" else GPU_DEFAULT)
     if args.layers is None:
         return llama_layout(cfg)
-    from .layout import _load_config, _layout_from_config
+    from .layout import _layout_from_config, _load_config
 
     loaded, src = _load_config(cfg)
     return _layout_from_config(dict(loaded, num_hidden_layers=args.layers), src)
