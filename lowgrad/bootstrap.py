@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .collective import DEFAULT_TIMEOUT, CommBase
+from .collective import DEFAULT_TIMEOUT, CommBase, check_timeout
 from .errors import CommAbortedError, CommTimeoutError
 
 _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the caller raises
@@ -36,7 +36,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
         raise ValueError(f"world must be a positive int, got {world!r}")
     if backend not in ("host", "cuda"):
         raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
-    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    limit = check_timeout(timeout)
     make = _host_factory(world, limit) if backend == "host" else _cuda_factory(world, limit)
 
     failed = threading.Event()
@@ -150,7 +150,7 @@ def from_env(device: Any = None, timeout: float | None = None) -> Any:
     from .device import Device
 
     rank, world, local, launcher = launcher_env()
-    limit = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    limit = check_timeout(timeout)
     device = Device(local) if device is None else device
     device.activate()
     own = nccl.unique_id() if rank == 0 else None

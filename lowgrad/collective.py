@@ -6,8 +6,10 @@ Every check here runs before any communication is queued, so a bad argument rais
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from functools import lru_cache
+from numbers import Real
 from typing import Any
 
 from .errors import ClosedError, CommAbortedError
@@ -18,6 +20,27 @@ OPS = {"sum": 0, "max": 2, "avg": 4}
 REDUCE_SCATTER_OPS = ("avg", "sum")
 ALL_REDUCE_OPS = ("sum", "avg", "max")
 DEFAULT_TIMEOUT = 300.0  # seconds, for initialisation, waits and host rendezvous
+WAIT_SLICE = 3600.0  # seconds: the longest single blocking wait (an infinite timeout waits in slices)
+
+
+def check_timeout(timeout: Any, default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds to wait: ``None`` gives ``default``; a positive int or float, ``float('inf')``
+    meaning no limit. NaN, zero, negative values are a ValueError; bools and non-numbers a
+    TypeError."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, Real):
+        raise TypeError(f"timeout must be seconds (an int or float, inf for none), got {timeout!r}")
+    t = float(timeout)
+    if math.isnan(t) or t <= 0:
+        raise ValueError(f"timeout must be positive seconds (inf for no limit), got {timeout!r}")
+    return t
+
+
+def wait_slice(left: float) -> float:
+    """A blocking wait of ``left`` seconds capped to :data:`WAIT_SLICE` (``Condition.wait``,
+    ``socket.settimeout`` and ``Lock.acquire`` overflow on ``inf``); callers loop to the deadline."""
+    return min(left, WAIT_SLICE)
 
 
 def check_op(call: str, op: str, allowed: tuple[str, ...]) -> int:
@@ -83,7 +106,7 @@ class CommBase(ABC):
     """The communicator interface both backends implement (NCCL: :class:`lowgrad.Communicator`;
     host: :class:`lowgrad.HostCommunicator`).
 
-    ``rank``, ``world``, ``device``, ``timeout`` (seconds). Tensors passed to the collectives
+    ``rank``, ``world``, ``device``, ``timeout`` (seconds; ``inf``: no limit). Tensors passed to the collectives
     must live on ``device``; ``stream=None`` means the device's default stream (inside
     :meth:`group`, the group's stream).
     """
@@ -98,10 +121,7 @@ class CommBase(ABC):
             raise ValueError(f"world must be a positive int, got {world!r}")
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
             raise ValueError(f"rank {rank!r} outside [0, {world})")
-        t = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        if not t > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        self.rank, self.world, self.device, self.timeout = rank, world, device, t
+        self.rank, self.world, self.device, self.timeout = rank, world, device, check_timeout(timeout)
         self._state = "open"  # "open" | "aborted" | "closed"
         self._group_depth = 0
         self._group: Group | None = None

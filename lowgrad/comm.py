@@ -14,19 +14,25 @@ engine collectives, registration, NVLS), so pinned/write-combined tensors raise
 
 Ranks must agree on calls, dtypes and sizes; NCCL cannot check this across ranks (a mismatch
 hangs until a ``wait`` times out). The host backend checks it.
+
+A rank that leaves (:meth:`Communicator.close`) cannot tell its peers: NCCL has no side channel
+for it. A peer still waiting for a collective the departed rank never issued raises
+CommTimeoutError after its ``timeout`` (or CommAbortedError at once when its ``abort_event`` is
+set, as :func:`~lowgrad.run_threads` does when a rank fails). A ``timeout`` of ``inf`` removes
+that bound: use it only when something else watches the job.
 """
 from __future__ import annotations
 
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import capture, nccl
-from .collective import CommBase, Group, all_to_all_schedule
+from .collective import CommBase, Group, all_to_all_schedule, check_timeout
 from .dtypes import byte, fp8_e4m3
 from .errors import CommAbortedError, CommTimeoutError, NcclError
 from .stream import StreamLike, stream_handle
@@ -39,7 +45,7 @@ class Communicator(CommBase):
     """Rank ``rank`` of ``world`` on ``device`` (a :class:`lowgrad.Device`), joined by every rank
     passing the same 128-byte ``unique_id`` (:func:`lowgrad.nccl.unique_id` on one rank).
 
-    ``timeout`` (seconds) bounds initialisation, the polling of in-progress NCCL calls and
+    ``timeout`` (seconds, ``inf`` for no limit) bounds initialisation, the polling of in-progress NCCL calls and
     :meth:`wait`. Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a
     pending initialisation or wait (``run_threads`` uses it when another rank fails).
     """
@@ -151,21 +157,21 @@ class Communicator(CommBase):
     def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
         """Send ``t`` to ``peer`` (pair it with the peer's ``recv``; inside ``group()`` when
         both sides also receive)."""
-        peer = self._p2p_args("send", t, peer)
-        h = self._stream(stream)
-        with self._lock:
-            self._live("send")
-            rc = nccl.send(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
-        self._issue("ncclSend", rc)
+        self._p2p("send", "ncclSend", nccl.send, t, peer, stream)
 
     def recv(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
         """Receive ``t.numel`` elements from ``peer`` into ``t``."""
-        peer = self._p2p_args("recv", t, peer)
+        self._p2p("recv", "ncclRecv", nccl.recv, t, peer, stream)
+
+    def _p2p(self, call: str, nccl_call: str, fn: Callable[[int, int, int, int, int, int], int], t: Tensor,
+             peer: int, stream: StreamLike) -> None:
+        """send/recv: ``fn`` is :func:`nccl.send` or :func:`nccl.recv` (same signature)."""
+        peer = self._p2p_args(call, t, peer)
         h = self._stream(stream)
         with self._lock:
-            self._live("recv")
-            rc = nccl.recv(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
-        self._issue("ncclRecv", rc)
+            self._live(call)
+            rc = fn(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
+        self._issue(nccl_call, rc)
 
     def all_to_all(self, t: Tensor, stream: StreamLike = None) -> None:
         """The destructive all-to-all: slot k (numel/world elements) of ``t`` goes to rank k;
@@ -259,14 +265,15 @@ class Communicator(CommBase):
     def wait(self, what: Any = None, timeout: float | None = None) -> None:
         """Block until ``what`` (an Event, a Stream, a raw stream handle, or None for the
         default stream) has completed, polling ``ncclCommGetAsyncError``. An asynchronous NCCL
-        error raises NcclError, ``timeout`` (default: the communicator's) CommTimeoutError;
-        both abort the communicator first. An ``abort()`` from another thread raises
-        CommAbortedError here."""
+        error raises NcclError, ``timeout`` (seconds, ``inf`` for no limit; default: the
+        communicator's) CommTimeoutError; both abort the communicator first. An ``abort()``
+        from another thread raises CommAbortedError here."""
+        limit = check_timeout(timeout, self.timeout)
         self._check_open("wait")
         capture.forbid("Communicator.wait (a host sync)")
         self.device.activate()
         target = what if hasattr(what, "query") else self.device.resolve_stream(what)
-        self._poll("wait", self.timeout if timeout is None else float(timeout), lambda state: target.query())
+        self._poll("wait", limit, lambda state: target.query())
 
     # ---- lifetime ----------------------------------------------------------------------
     def _live(self, call: str) -> None:
@@ -286,7 +293,7 @@ class Communicator(CommBase):
 
     def close(self) -> None:
         """Finalize and destroy the communicator after its queued work (bounded by ``timeout``;
-        on timeout it is aborted). Idempotent."""
+        on timeout it is aborted). Idempotent. Peers are not told (see the module docstring)."""
         if self._state != "open":
             return
         self._free_scratch()

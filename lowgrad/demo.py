@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from . import _cuda, ops
 from .bandwidth import copy_bandwidths
 from .dtypes import bf16
+from .errors import LowgradError
 from .layout import Layout, ParamSpec, llama_layout
 from .tensor import Tensor, from_numpy
 
@@ -33,17 +36,34 @@ _WINDOW = 1 << 16  # pool windows start at one of this many offsets
 _ENGINE_SEED = 0xE6
 
 
+def _int_in(low: int, high_bits: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a decimal int in ``[low, 2**high_bits)`` (no upper bound when None)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low or (high_bits is not None and v >> high_bits):
+            bound = f"at least {low}" if high_bits is None else f"in [{low}, 2**{high_bits})"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
+        return v
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options; counts must be positive and the seed fit 64 bits (an argparse error
+    otherwise, before anything runs)."""
+    positive = _int_in(1)
     p.add_argument("--config", help="a preset name (e.g. tiny, Qwen2.5-0.5B) or a config.json path "
                                     "(default: tiny on the host, a 107M Qwen-style model on the GPU)")
-    p.add_argument("--layers", type=int, help="override num_hidden_layers")
+    p.add_argument("--layers", type=positive, help="override num_hidden_layers")
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    p.add_argument("--world", type=int, help="ranks (threads); default 1 on the GPU, 2 on the host")
+    p.add_argument("--world", type=positive, help="ranks (threads); default 1 on the GPU, 2 on the host")
     p.add_argument("--strategy", choices=("all", "unsharded", "scatter_reduce", "all_to_all"), default="all")
     p.add_argument("--offload", choices=("both", "off", "on"), default="both")
-    p.add_argument("--micro-steps", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps; the last one is timed and checked")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--micro-steps", type=positive, default=4)
+    p.add_argument("--steps", type=positive, default=2, help="optimizer steps; the last one is timed and checked")
+    p.add_argument("--seed", type=_int_in(0, 64), default=1234)
     p.add_argument("--json", help="write the results here")
 
 
@@ -62,11 +82,12 @@ class Result:
 
 def _layout(args: argparse.Namespace, backend: str) -> Layout:
     cfg: Any = args.config or ("tiny" if backend == "host" else GPU_DEFAULT)
-    if args.layers is not None:
-        from .layout import _load_config
+    if args.layers is None:
+        return llama_layout(cfg)
+    from .layout import _layout_from_config, _load_config
 
-        cfg = dict(_load_config(cfg), num_hidden_layers=args.layers)
-    return llama_layout(cfg)
+    loaded, src = _load_config(cfg)
+    return _layout_from_config(dict(loaded, num_hidden_layers=args.layers), src)
 
 
 def _pool_offsets(rank: int, micro: int, layer: int, tensor: int) -> int:
@@ -193,22 +214,29 @@ def _bytes_per_micro(layout: Layout, strategy: str, world: int, first: bool) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the demo for parsed ``args``; 0 when every strategy is within the SR bound. A bad
+    layout, world or output path exits with a one-line error before anything runs."""
     from .bootstrap import run_threads
+    from .device import Device, device_count
 
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if _cuda.available() else "host"
-    world = args.world or (1 if backend == "cuda" else 2)
-    layout = _layout(args, backend)
-    layout.check_world(world)
-    if args.micro_steps < 1 or args.steps < 1:
-        raise SystemExit("--micro-steps and --steps must be at least 1")
+    world = (1 if backend == "cuda" else 2) if args.world is None else args.world
+    try:
+        layout = _layout(args, backend)
+        layout.check_world(world)
+        if backend == "cuda" and world > device_count():
+            raise ValueError(f"--world {world} needs {world} GPUs, {device_count()} visible")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json {args.json!r}: no such directory")
+    except (ValueError, TypeError, OSError, LowgradError) as exc:
+        raise SystemExit(f"python -m lowgrad demo: error: {exc}") from None
     runs = [(s, o) for s, o in RUNS if args.strategy in ("all", s) and
             (not o or args.offload in ("both", "on")) and (o or args.offload in ("both", "off"))]
     max_numel = max(s.numel for _, _, s in _specs(layout))
     rng = np.random.default_rng(args.seed)
     pool = (rng.standard_normal(max_numel + _WINDOW, dtype=np.float32) * 0.01).astype(bf16.np)
-    from .device import Device
     from .host import HostDevice
 
     bw_dev = Device(0) if backend == "cuda" else HostDevice()

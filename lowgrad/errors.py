@@ -41,6 +41,11 @@ class NcclError(LowgradError):
         super().__init__(text + (f" (last error: {last_error})" if last_error else ""))
 
 
+class NcclLibraryError(LowgradError):
+    """libnccl could not be found or loaded, or lacks a symbol lowgrad calls (too old, or not
+    NCCL); the message names the library path and the missing symbols."""
+
+
 class CommTimeoutError(LowgradError):
     """A communicator wait or initialisation exceeded its timeout; the communicator was aborted."""
 

@@ -11,7 +11,9 @@ tensors reduce as uint8 with wrap-around, ``avg`` dividing the wrapped sum (inte
 like NCCL.
 
 Failures never hang: a rank that raises or aborts wakes the others with
-:class:`~lowgrad.errors.CommAbortedError`; a rank that does not arrive within the timeout gives
+:class:`~lowgrad.errors.CommAbortedError`; a rank that left (``close()``) makes every rank that
+waits for it, then or later, raise CommAbortedError naming it at once (what it sent before leaving
+is still delivered); a rank that does not arrive within the timeout (``inf``: no limit) gives
 :class:`~lowgrad.errors.CommTimeoutError` in every waiting rank. Ranks that disagree on a
 collective (call, dtype, size, op) all raise the same ``ValueError``.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .collective import DEFAULT_TIMEOUT, CommBase, Group, all_to_all_schedule
+from .collective import DEFAULT_TIMEOUT, CommBase, Group, all_to_all_schedule, check_timeout, wait_slice
 from .dtypes import DType
 from .errors import CommAbortedError, CommTimeoutError
 from .host import HostDevice
@@ -39,18 +41,20 @@ class HostCollective:
     """The rendezvous shared by the ``world`` :class:`HostCommunicator` of one group of threads.
 
     ``exchange`` is an all-to-all of Python objects (every rank gets every rank's item);
-    ``post``/``take`` are unbounded FIFO mailboxes per (source, destination, tag).
+    ``post``/``take`` are unbounded FIFO mailboxes per (source, destination, tag). ``timeout``
+    (seconds, ``inf`` for no limit, None for the default) is the default of the communicators.
     """
 
-    def __init__(self, world: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if not isinstance(world, int) or world < 1:
+    def __init__(self, world: int, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise ValueError(f"world must be a positive int, got {world!r}")
-        self.world, self.timeout = world, float(timeout)
+        self.world, self.timeout = world, check_timeout(timeout)
         self._cv = threading.Condition()
         self._seq = [0] * world
         self._slots: dict[int, list[Any]] = {}  # seq -> [items, arrived, read]
         self._mail: dict[tuple[int, int, str], deque[Any]] = {}
         self._failure: tuple[type[Exception], str] | None = None
+        self._left: set[int] = set()  # ranks that closed their communicator
 
     @property
     def failed(self) -> bool:
@@ -63,14 +67,31 @@ class HostCollective:
                 self._failure = (exc_type, reason)
             self._cv.notify_all()
 
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` closed its communicator: it will deposit and post nothing more. A rank
+        waiting for it (an exchange it never joined, an empty mailbox from it) fails the
+        collective with CommAbortedError naming it, now or when it gets there."""
+        with self._cv:
+            self._left.add(rank)
+            self._cv.notify_all()
+
+    def _check_left(self, waiter: int, ranks: list[int], what: str) -> None:
+        """Fail the collective when one of ``ranks`` (those ``waiter`` waits for) has left."""
+        gone = [r for r in ranks if r in self._left]
+        if gone:
+            self._fail(CommAbortedError, f"host collective: rank {waiter} waits for {what} of rank(s) {gone}, "
+                       "which left the communicator (close()); aborted")
+
     def _raise_failure(self) -> None:
         cls, msg = self._failure  # type: ignore[misc]
         raise cls(msg)
 
-    def _timed_out(self, msg: str) -> None:
-        self._failure = (CommTimeoutError, msg)
+    def _fail(self, exc_type: type[Exception], msg: str) -> None:
+        """Fail the collective for every rank and raise (the condition's lock is held)."""
+        if self._failure is None:
+            self._failure = (exc_type, msg)
         self._cv.notify_all()
-        raise CommTimeoutError(msg)
+        self._raise_failure()
 
     def exchange(self, rank: int, item: Any, timeout: float) -> list[Any]:
         """Deposit ``item`` and return all ``world`` items in rank order once every rank has."""
@@ -90,12 +111,13 @@ class HostCollective:
             while entry[1] < self.world:
                 if self._failure is not None:
                     self._raise_failure()
+                if self._left:
+                    self._check_left(rank, _missing(entry[0]), f"collective #{seq}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = [r for r, x in enumerate(entry[0]) if x is _MISSING]
-                    self._timed_out(f"host collective: rank {rank} waited {timeout:g} s for rank(s) {missing} "
-                                    f"at collective #{seq}; aborted")
-                self._cv.wait(left)
+                    self._fail(CommTimeoutError, f"host collective: rank {rank} waited {timeout:g} s for rank(s) "
+                               f"{_missing(entry[0])} at collective #{seq}; aborted")
+                self._cv.wait(wait_slice(left))
             items = entry[0]
             entry[2] += 1
             if entry[2] == self.world:
@@ -118,12 +140,18 @@ class HostCollective:
             while not q:
                 if self._failure is not None:
                     self._raise_failure()
+                if self._left:
+                    self._check_left(dst, [src], "a message")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._timed_out(f"host collective: rank {dst} waited {timeout:g} s for a message from "
-                                    f"rank {src}; aborted")
-                self._cv.wait(left)
+                    self._fail(CommTimeoutError, f"host collective: rank {dst} waited {timeout:g} s for a message "
+                               f"from rank {src}; aborted")
+                self._cv.wait(wait_slice(left))
             return q.popleft()
+
+
+def _missing(items: list[Any]) -> list[int]:
+    return [r for r, x in enumerate(items) if x is _MISSING]
 
 
 def host_reduce(arrays: list[np.ndarray], op: str, world: int, dtype: DType) -> np.ndarray:
@@ -148,8 +176,8 @@ def host_reduce(arrays: list[np.ndarray], op: str, world: int, dtype: DType) -> 
 
 class HostCommunicator(CommBase):
     """Rank ``rank`` of ``world`` threads sharing ``collective``; tensors live on ``device`` (a
-    :class:`~lowgrad.HostDevice`, a new one when omitted). ``timeout`` (seconds) bounds every
-    rendezvous (default: the collective's)."""
+    :class:`~lowgrad.HostDevice`, a new one when omitted). ``timeout`` (seconds, ``inf`` for no
+    limit) bounds every rendezvous (default: the collective's)."""
 
     def __init__(self, rank: int, world: int, collective: HostCollective, device: HostDevice | None = None,
                  timeout: float | None = None) -> None:
@@ -160,7 +188,7 @@ class HostCommunicator(CommBase):
         device = HostDevice() if device is None else device
         if getattr(device, "backend", None) != "host":
             raise TypeError(f"HostCommunicator needs a HostDevice, got {device!r}")
-        self._init_base(rank, world, device, collective.timeout if timeout is None else timeout)
+        self._init_base(rank, world, device, check_timeout(timeout, collective.timeout))
         self.collective = collective
         self._queue: list[tuple[bool, Any]] = []
 
@@ -285,7 +313,9 @@ class HostCommunicator(CommBase):
         self._agree("barrier", (), None)
 
     def wait(self, what: Any = None, timeout: float | None = None) -> None:
-        """Host work is complete when queued; raises if the communicator was aborted."""
+        """Host work is complete when queued; raises if the communicator was aborted (``timeout``
+        is checked as on the NCCL communicator, then unused)."""
+        check_timeout(timeout, self.timeout)
         self._check_open("wait")
 
     # ---- groups ------------------------------------------------------------------------
@@ -316,6 +346,9 @@ class HostCommunicator(CommBase):
             self.collective.abort(f"rank {self.rank} aborted the host communicator")
 
     def close(self) -> None:
-        """Leave the communicator (idempotent); later calls raise ClosedError."""
+        """Leave the communicator (idempotent); later calls raise ClosedError. Peers that wait
+        for this rank, now or later, raise CommAbortedError naming it instead of timing out;
+        what it sent before is still delivered."""
         if self._state == "open":
             self._state = "closed"
+            self.collective.leave(self.rank)

@@ -169,13 +169,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _BIAS_BY_MODEL_TYPE = {"qwen2": True, "llama": False}
+_MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; refuse to read more than this
 
 
-def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
+def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> tuple[Mapping[str, Any], str]:
+    """(the config mapping, where it came from for error messages: the file's path, the preset
+    or "config")."""
     if isinstance(config, Mapping):
-        return config
+        return config, "config"
     if isinstance(config, str) and config in PRESETS:
-        return PRESETS[config]
+        return PRESETS[config], f"preset {config!r}"
     if not isinstance(config, (str, os.PathLike)):
         raise TypeError(f"llama_layout config must be a dict, a preset name or a path, got {config!r}")
     path = Path(config)
@@ -188,28 +191,36 @@ def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, 
     if not found:
         raise ValueError(f"llama_layout: {str(config)!r} is neither a preset ({', '.join(PRESETS)}) "
                          f"nor an existing config.json file or model directory")
-    with open(path, encoding="utf-8") as f:
-        loaded = json.load(f)
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ValueError(f"llama_layout: {path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB, not a config.json")
+    try:
+        loaded = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"llama_layout: {path} nests JSON too deeply to be a config.json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int beyond the digit limit
+        raise ValueError(f"llama_layout: {path} is not valid JSON: {exc}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"llama_layout: {path} does not hold a JSON object")
-    return loaded
+    return loaded, str(path)
 
 
-def _positive_int(cfg: Mapping[str, Any], key: str) -> int:
+def _positive_int(cfg: Mapping[str, Any], key: str, src: str) -> int:
     if key not in cfg:
-        raise ValueError(f"llama_layout: config lacks {key!r}")
+        raise ValueError(f"llama_layout: {src} lacks {key!r}")
     v = cfg[key]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"llama_layout: config {key!r} must be an int, got {v!r}")
+        raise TypeError(f"llama_layout: {src}: {key!r} must be an int, got {v!r}")
     if v <= 0:
-        raise ValueError(f"llama_layout: config {key!r} must be positive, got {v}")
+        raise ValueError(f"llama_layout: {src}: {key!r} must be positive, got {v}")
     return v
 
 
-def _flag(cfg: Mapping[str, Any], key: str) -> bool:
+def _flag(cfg: Mapping[str, Any], key: str, src: str) -> bool:
     v = cfg[key]
     if not isinstance(v, bool):
-        raise TypeError(f"llama_layout: config {key!r} must be a bool, got {v!r}")
+        raise TypeError(f"llama_layout: {src}: {key!r} must be a bool, got {v!r}")
     return v
 
 
@@ -222,33 +233,39 @@ def llama_layout(config: Mapping[str, Any] | str | os.PathLike) -> Layout:
     count), ``num_hidden_layers``, ``vocab_size``, ``tie_word_embeddings`` (default False; when
     True there is no ``lm_head.weight``), ``head_dim`` (default ``hidden_size //
     num_attention_heads``) and ``attention_bias`` (QKV biases; absent, it follows
-    ``model_type``: ``qwen2`` has them, ``llama`` has not).
+    ``model_type``: ``qwen2`` has them, ``llama`` has not). A missing or mistyped key, or a file
+    that is not a JSON object, raises ValueError/TypeError naming the key and the file.
     """
-    cfg = _load_config(config)
-    hidden = _positive_int(cfg, "hidden_size")
-    inter = _positive_int(cfg, "intermediate_size")
-    heads = _positive_int(cfg, "num_attention_heads")
-    kv = _positive_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") is not None else heads
-    layers = _positive_int(cfg, "num_hidden_layers")
-    vocab = _positive_int(cfg, "vocab_size")
-    tied = _flag(cfg, "tie_word_embeddings") if "tie_word_embeddings" in cfg else False
+    return _layout_from_config(*_load_config(config))
+
+
+def _layout_from_config(cfg: Mapping[str, Any], src: str = "config") -> Layout:
+    """:func:`llama_layout` of a loaded config mapping; ``src`` names it in error messages."""
+    hidden = _positive_int(cfg, "hidden_size", src)
+    inter = _positive_int(cfg, "intermediate_size", src)
+    heads = _positive_int(cfg, "num_attention_heads", src)
+    kv = _positive_int(cfg, "num_key_value_heads", src) if cfg.get("num_key_value_heads") is not None else heads
+    layers = _positive_int(cfg, "num_hidden_layers", src)
+    vocab = _positive_int(cfg, "vocab_size", src)
+    tied = _flag(cfg, "tie_word_embeddings", src) if "tie_word_embeddings" in cfg else False
     if cfg.get("head_dim") is not None:
-        head_dim = _positive_int(cfg, "head_dim")
+        head_dim = _positive_int(cfg, "head_dim", src)
     elif hidden % heads:
-        raise ValueError(f"llama_layout: hidden_size {hidden} is not divisible by num_attention_heads "
+        raise ValueError(f"llama_layout: {src}: hidden_size {hidden} is not divisible by num_attention_heads "
                          f"{heads}; give head_dim")
     else:
         head_dim = hidden // heads
     if heads % kv:
-        raise ValueError(f"llama_layout: num_attention_heads {heads} is not divisible by "
+        raise ValueError(f"llama_layout: {src}: num_attention_heads {heads} is not divisible by "
                          f"num_key_value_heads {kv}")
+    model_type = cfg.get("model_type")
     if "attention_bias" in cfg:
-        bias = _flag(cfg, "attention_bias")
-    elif cfg.get("model_type") in _BIAS_BY_MODEL_TYPE:
-        bias = _BIAS_BY_MODEL_TYPE[cfg["model_type"]]
+        bias = _flag(cfg, "attention_bias", src)
+    elif isinstance(model_type, str) and model_type in _BIAS_BY_MODEL_TYPE:
+        bias = _BIAS_BY_MODEL_TYPE[model_type]
     else:
-        raise ValueError(f"llama_layout: config has no 'attention_bias' and model_type "
-                         f"{cfg.get('model_type')!r} is not one of {', '.join(_BIAS_BY_MODEL_TYPE)}")
+        raise ValueError(f"llama_layout: {src} has no 'attention_bias' and model_type "
+                         f"{model_type!r} is not one of {', '.join(_BIAS_BY_MODEL_TYPE)}")
 
     q, k = heads * head_dim, kv * head_dim
     block = [

@@ -23,7 +23,7 @@ from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from importlib import metadata
 
 from . import trace
-from .errors import LowgradError, NcclError
+from .errors import NcclError, NcclLibraryError
 
 SUCCESS, IN_PROGRESS = 0, 7
 RESULT_NAMES = ("ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
@@ -35,10 +35,6 @@ UNIQUE_ID_BYTES = 128
 _UNDEF_INT = -2147483648  # NCCL_CONFIG_UNDEF_INT (INT_MIN)
 _API_MAGIC = 0xCAFEBEEF
 _CONFIG_VERSION = 21800  # NCCL_VERSION(2, 18, 0): the layout _Config mirrors
-
-
-class NcclLibraryError(LowgradError):
-    """libnccl could not be found or loaded."""
 
 
 class _UniqueId(ctypes.Structure):
@@ -119,8 +115,22 @@ def _wheel_candidates() -> list[str]:
 
 
 def _open(path: str) -> ctypes.CDLL:
+    """Load ``path`` and give every symbol of :data:`_PROTOTYPES` its prototype; OSError when it
+    cannot be loaded, NcclLibraryError naming the path and every missing symbol."""
     lib = ctypes.CDLL(path)
-    lib.ncclGetVersion  # raises AttributeError when this is not NCCL
+    if not hasattr(lib, "ncclGetVersion"):
+        raise NcclLibraryError(f"{path} lacks the symbol ncclGetVersion: not an NCCL library")
+    missing = [name for name in _PROTOTYPES if not hasattr(lib, name)]
+    if missing:
+        raise NcclLibraryError(f"{path} lacks the symbol(s) {', '.join(missing)} that lowgrad calls "
+                               "(an older or partial NCCL)")
+    for name, args in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        if args is None:
+            fn.restype = c_char_p
+            fn.argtypes = (c_int,) if name == "ncclGetErrorString" else (c_void_p,)
+        else:
+            fn.restype, fn.argtypes = c_int, args
     return lib
 
 
@@ -133,32 +143,24 @@ def _load() -> ctypes.CDLL:
         if env:
             try:
                 lib, path = _open(env), env
-            except (OSError, AttributeError) as exc:
-                raise NcclLibraryError(f"LOWGRAD_NCCL_LIBRARY={env!r} cannot be loaded as NCCL: {exc}") from exc
+            except (OSError, NcclLibraryError) as exc:
+                raise NcclLibraryError(f"LOWGRAD_NCCL_LIBRARY={env!r} cannot be loaded as NCCL: {exc}") from None
         else:
-            tried: list[str] = []
+            tried: dict[str, str] = {}  # path -> why it was not used
             found: ctypes.CDLL | None = None
             for path in _wheel_candidates() + [ctypes.util.find_library("nccl") or "", "libnccl.so.2"]:
                 if not path or path in tried:
                     continue
-                tried.append(path)
                 try:
                     found = _open(path)
                     break
-                except (OSError, AttributeError):
-                    continue
+                except (OSError, NcclLibraryError) as exc:
+                    tried[path] = str(exc)
             if found is None:
                 raise NcclLibraryError(
                     "NCCL not found: install nvidia-nccl-cu12 or nvidia-nccl-cu13, or set "
-                    f"LOWGRAD_NCCL_LIBRARY to libnccl.so.2 (tried: {', '.join(tried)})")
+                    f"LOWGRAD_NCCL_LIBRARY to libnccl.so.2 (tried: {'; '.join(tried.values())})")
             lib = found
-        for name, args in _PROTOTYPES.items():
-            fn = getattr(lib, name)
-            if args is None:
-                fn.restype = c_char_p
-                fn.argtypes = (c_int,) if name == "ncclGetErrorString" else (c_void_p,)
-            else:
-                fn.restype, fn.argtypes = c_int, args
         _path = getattr(lib, "_name", path) or path
         _lib = lib
         return lib

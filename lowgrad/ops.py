@@ -246,9 +246,15 @@ def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
 
 def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
     """Copy ``src`` into ``dst`` (same dtype and element count; device, pinned or host memory in
-    any direction) on ``stream``."""
+    any direction) on ``stream``. ``dst`` and ``src`` may not overlap unless they are the same
+    memory (then the copy leaves it unchanged); a partial overlap is a ValueError (the CUDA copy
+    engines do not order overlapping bytes)."""
     _tensor(dst, "dst")
     _tensor(src, "src")
+    if _overlap(dst, src) and (dst._offset != src._offset or dst.nbytes != src.nbytes):
+        raise ValueError(f"copy: dst {dst.name!r} and src {src.name!r} partially overlap (bytes "
+                         f"[{dst._offset}, {dst._offset + dst.nbytes}) and [{src._offset}, {src._offset + src.nbytes}) "
+                         "of one allocation)")
     dst.device.copy(dst, src, stream)
 
 

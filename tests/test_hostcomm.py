@@ -204,6 +204,8 @@ def test_recv_without_send_times_out():
     def fn(c):
         if c.rank == 0:
             c.recv(tensor(c, np.zeros(2, np.float32)), 1)
+        else:
+            time.sleep(1.0)  # present but silent (a rank that left would be reported at once)
 
     with pytest.raises(lg.CommTimeoutError):
         lg.run_threads(2, fn, timeout=0.3)
@@ -348,3 +350,96 @@ def test_all_to_all_many_equals_one_call_per_buffer(world: int) -> None:
             assert np.array_equal(a, b)
     with pytest.raises(ValueError, match="divisible"):
         lg.run_threads(2, lambda c: c.all_to_all_many([c.device.alloc(3, lg.fp32, name="odd")]))
+
+
+# ---- timeouts: None = the default, positive seconds, inf = no limit; the rest rejected up front ----
+@pytest.mark.timeout(30)
+def test_infinite_timeout_waits_for_a_late_rank():
+    def fn(c):
+        if c.rank == 1:
+            time.sleep(0.3)
+        t = tensor(c, np.full(2, c.rank + 1.0, np.float32))
+        c.all_reduce(t)
+        c.wait(timeout=float("inf"))
+        return t.numpy().tolist()
+
+    assert lg.run_threads(2, fn, timeout=float("inf")) == [[3.0, 3.0]] * 2
+    c0, c1 = make_comms(2, timeout=float("inf"))
+    assert c0.timeout == float("inf")
+    threading.Timer(0.2, c1.send, (tensor(c1, np.ones(2, np.float32)), 0)).start()
+    got = tensor(c0, np.zeros(2, np.float32))
+    c0.recv(got, 1)
+    assert got.numpy().tolist() == [1.0, 1.0]
+
+
+BAD_TIMEOUTS = [(float("nan"), ValueError), (-1.0, ValueError), (0, ValueError), (-float("inf"), ValueError),
+                (True, TypeError), ("5", TypeError), ([1], TypeError)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad,exc", BAD_TIMEOUTS)
+def test_bad_timeout_is_rejected_before_any_work(bad, exc):
+    with pytest.raises(exc, match="timeout"):
+        HostCollective(2, bad)
+    coll = HostCollective(2, 5)
+    with pytest.raises(exc, match="timeout"):
+        HostCommunicator(0, 2, coll, lg.HostDevice(), timeout=bad)
+    ran = []
+    with pytest.raises(exc, match="timeout"):
+        lg.run_threads(2, ran.append, timeout=bad)
+    assert not ran
+    (c,) = make_comms(1)
+    with pytest.raises(exc, match="timeout"):
+        c.wait(timeout=bad)
+
+
+def test_timeout_none_is_the_default():
+    from lowgrad.collective import DEFAULT_TIMEOUT, check_timeout
+
+    assert HostCollective(2, None).timeout == DEFAULT_TIMEOUT
+    assert make_comms(1, timeout=2)[0].timeout == 2.0  # None on the communicator: the collective's
+    assert check_timeout(None, 7.0) == 7.0 and check_timeout(np.float32(0.5)) == 0.5 and check_timeout(3) == 3.0
+
+
+# ---- a rank that leaves (close()) is reported to the ranks waiting for it, at once ----------------
+@pytest.mark.timeout(30)
+def test_peers_waiting_for_a_rank_that_closed_fail_at_once():
+    def fn(c):
+        if c.rank == 2:
+            time.sleep(0.3)  # the others are already waiting when run_threads closes this rank
+            return
+        c.all_reduce(tensor(c, np.ones(4, np.float32)))
+
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommAbortedError, match=r"rank\(s\) \[2\], which left the communicator"):
+        lg.run_threads(3, fn, timeout=20)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_arriving_after_its_peer_closed_fails_at_once():
+    c0, c1 = make_comms(2, timeout=20)
+    c1.close()
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommAbortedError, match=r"\[1\], which left"):
+        c0.barrier()
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(lg.CommAbortedError):  # the collective is broken for good, as after abort()
+        c0.host_allgather(b"x")
+    c1.close()  # idempotent
+    with pytest.raises(lg.ClosedError):
+        c1.barrier()
+
+
+@pytest.mark.timeout(30)
+def test_messages_sent_before_close_are_still_delivered():
+    c0, c1 = make_comms(2, timeout=20)
+    c0.send(tensor(c0, np.arange(3, dtype=np.float32)), 1)
+    c0.close()
+    got = tensor(c1, np.zeros(3, np.float32))
+    c1.recv(got, 0)
+    assert got.numpy().tolist() == [0.0, 1.0, 2.0]
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommAbortedError, match=r"a message of rank\(s\) \[0\], which left"):
+        c1.recv(got, 0)
+    assert time.monotonic() - t0 < 2

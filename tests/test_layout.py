@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -236,3 +237,59 @@ def test_bad_config_sources(tmp_path):
         llama_layout(arr)
     with pytest.raises(TypeError):
         llama_layout(42)
+
+
+# --- config.json files: every error names the file ----------------------------------------------
+def _write(tmp_path, text: str | bytes):
+    path = tmp_path / "config.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text", [
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in the json module before
+    '{"hidden_size": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    '{"hidden_size": 64,',  # truncated
+    "",
+    b"\xff\xfe{}",  # not UTF-8
+    '{"hidden_size": ' + "9" * 5000 + "}",  # beyond Python's int digit limit
+])
+def test_malformed_config_file_is_a_value_error_naming_it(tmp_path, text):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        llama_layout(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match="config.json"):  # the directory form names the file too
+        llama_layout(tmp_path)
+
+
+@pytest.mark.parametrize("key, value, exc", [
+    ("hidden_size", "64", TypeError),
+    ("hidden_size", 64.0, TypeError),
+    ("num_hidden_layers", None, TypeError),
+    ("vocab_size", 0, ValueError),
+    ("tie_word_embeddings", "false", TypeError),
+    ("attention_bias", 0, TypeError),
+    ("head_dim", [16], TypeError),
+    ("num_key_value_heads", 3, ValueError),
+])
+def test_wrong_key_in_config_file_names_key_and_file(tmp_path, key, value, exc):
+    path = _write(tmp_path, json.dumps(dict(PRESETS["tiny"], **{key: value})))
+    with pytest.raises(exc) as info:
+        llama_layout(path)
+    assert str(path) in str(info.value) and key in str(info.value)
+
+
+def test_missing_key_and_bad_model_type_name_the_file(tmp_path):
+    c = dict(PRESETS["tiny"])
+    del c["vocab_size"]
+    path = _write(tmp_path, json.dumps(c))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*'vocab_size'"):
+        llama_layout(path)
+    path = _write(tmp_path, json.dumps(dict(PRESETS["tiny"], model_type=["qwen2"])))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*model_type"):  # unhashable: was a bare TypeError
+        llama_layout(path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -76,3 +77,53 @@ def test_import_does_not_load_the_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+_FAKE_NCCL = "int ncclGetVersion(int *v) { *v = 21803; return 0; }\n"  # NCCL's first symbol only
+
+
+def _load_error(path: str) -> str:
+    """What loading ``path`` as LOWGRAD_NCCL_LIBRARY raises, from a fresh interpreter."""
+    code = ("import lowgrad.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n"
+            "    print('ERR', e)\n")
+    env = dict(os.environ, LOWGRAD_NCCL_LIBRARY=path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr  # an AttributeError escaped before
+    assert out.stdout.startswith("ERR "), out.stdout
+    return out.stdout
+
+
+def test_a_library_that_is_not_nccl_names_path_and_symbol():
+    import ctypes.util
+
+    libm = ctypes.util.find_library("m") or ctypes.util.find_library("c")
+    if libm is None:
+        pytest.skip("no libm/libc to stand in for a non-NCCL library")
+    msg = _load_error(libm)
+    assert libm in msg and "lacks the symbol ncclGetVersion: not an NCCL library" in msg
+
+
+def test_a_library_missing_one_symbol_names_it(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a partial NCCL (the in-process variant below covers it)")
+    src, lib = tmp_path / "fake.c", tmp_path / "libnccl.so.2"
+    src.write_text(_FAKE_NCCL)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=60)
+    msg = _load_error(str(lib))
+    assert str(lib) in msg and "ncclCommInitRankConfig" in msg and "ncclGetVersion," not in msg
+
+
+@needs_nccl
+def test_a_symbol_missing_from_the_real_library_is_a_library_error(monkeypatch):
+    path = nccl.library_path()
+    monkeypatch.setitem(nccl._PROTOTYPES, "ncclNoSuchSymbol", ())
+    monkeypatch.setattr(nccl, "_lib", None)
+    monkeypatch.setenv("LOWGRAD_NCCL_LIBRARY", path)
+    with pytest.raises(nccl.NcclLibraryError, match="ncclNoSuchSymbol") as info:
+        nccl.version()
+    assert path in str(info.value)
+    from lowgrad.errors import NcclLibraryError
+
+    assert nccl.NcclLibraryError is NcclLibraryError

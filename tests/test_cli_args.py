@@ -1,0 +1,47 @@
+"""``python -m lowgrad demo`` refuses bad arguments with a one-line error before running anything."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lowgrad.__main__ import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world", "0"], "--world: must be at least 1, got 0"),  # ran world 2 before
+    (["--world", "-2"], "--world: must be at least 1"),
+    (["--world", "two"], "--world: expected an integer, got 'two'"),
+    (["--layers", "0"], "--layers: must be at least 1"),
+    (["--micro-steps", "0"], "--micro-steps: must be at least 1"),
+    (["--steps", "-1"], "--steps: must be at least 1"),
+    (["--seed", "-1"], "--seed: must be in [0, 2**64)"),
+    (["--seed", str(1 << 64)], "--seed: must be in [0, 2**64)"),
+])
+def test_bad_numbers_are_argparse_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--backend", "host", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["--world", "3"], "not divisible by world 3"),
+    (["--config", "no-such-preset"], "neither a preset"),
+    (["--json", "/no/such/dir/out.json"], "no such directory"),
+])
+def test_bad_setups_exit_with_one_line_before_running(args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--backend", "host", *args])
+    text = str(info.value.code)
+    assert text.startswith("python -m lowgrad demo: error:") and message in text and "\n" not in text
+
+
+@pytest.mark.timeout(60)
+def test_bad_config_file_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"hidden_size": "64"}')
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--backend", "host", "--config", str(path), "--layers", "2"])
+    assert str(path) in str(info.value.code) and "hidden_size" in str(info.value.code)
