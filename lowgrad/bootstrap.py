@@ -469,9 +469,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"rank 0 answered {len(buf)} of {n} bytes before the handshake deadline")
+            raise TimeoutError(f"the server answered {len(buf)} of {n} bytes before the handshake deadline "
+                               "(rank 0 overloaded, or another service on this port)")
         sock.settimeout(min(left, 60.0))
-        chunk = sock.recv(n - len(buf))
+        try:
+            chunk = sock.recv(n - len(buf))
+        except TimeoutError:
+            continue  # the loop re-checks the deadline
         if not chunk:
             raise ConnectionError("rank 0 closed the connection")
         buf += chunk
