@@ -303,8 +303,12 @@ def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
         raise ValueError(f"rendezvous: cannot resolve the rank-0 address {host!r}: {exc}") from None
     socks: list[socket.socket] = []
     foreign: list[str] = []
-    for family, _, _, _, sockaddr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
-        s = socket.socket(family, socket.SOCK_STREAM)
+    for family, sockaddr in dict.fromkeys((i[0], i[4]) for i in infos):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # an address family this host does not support
+            foreign.append(str(sockaddr[0]))
+            continue
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
@@ -346,8 +350,8 @@ def _serve_id(world: int, host: str, port: int, uid: bytes, key: bytes, deadline
               handshake: float) -> None:
     listeners = _listen(host, port, max(world, 16))
     where = ", ".join(str(s.getsockname()[0]) for s in listeners)
-    if not key and not all(ipaddress.ip_address(str(s.getsockname()[0]).split("%")[0]).is_loopback
-                           for s in listeners):
+    loopback = all(ipaddress.ip_address(str(s.getsockname()[0]).split("%")[0]).is_loopback for s in listeners)
+    if not key and not loopback:
         warnings.warn(f"rendezvous: rank 0 serves the NCCL unique id on {where} port {port} without "
                       "LOWGRAD_RENDEZVOUS_TOKEN: any host that reaches this port can take a rank",
                       RuntimeWarning, stacklevel=3)
@@ -406,8 +410,10 @@ def _serve_id(world: int, host: str, port: int, uid: bytes, key: bytes, deadline
             if now >= deadline:
                 missing = sorted(set(range(1, world)) - served)
                 told = f"; dropped {ndrops} connection(s): " + "; ".join(drops) if ndrops else ""
+                hint = (" (rank 0 listens on loopback only: ranks on other hosts need a MASTER_ADDR that "
+                        "reaches rank 0, or LOWGRAD_RENDEZVOUS_BIND)") if loopback else ""
                 raise CommTimeoutError(f"rendezvous: rank 0 waited {timeout:g} s on {where} port {port}; "
-                                       f"rank(s) {missing} never joined{told}")
+                                       f"rank(s) {missing} never joined{told}{hint}")
             for c in [c for c in conns.values() if c.deadline <= now]:
                 drop(c, f"no complete exchange within {handshake:g} s" if claimed.get(c.rank) is c
                      or not c.replied else None)
