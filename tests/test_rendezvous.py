@@ -103,7 +103,7 @@ def test_idle_client_does_not_stop_legitimate_ranks():
     idle = [connect(port) for _ in range(3)]  # connect first, never say anything
     r1, r2 = Rank(1, 3, port), Rank(2, 3, port)
     assert [r.get() for r in (r0, r1, r2)] == [UID] * 3
-    assert r0.elapsed < 3.0, r0.elapsed
+    assert r0.elapsed < 3.5, r0.elapsed
     for s in idle:
         s.close()
 
@@ -152,7 +152,7 @@ def test_slow_drip_client_is_cut_at_its_handshake_deadline():
             cut = time.monotonic() - t0
             break
     s.close()
-    assert cut is not None and 0.3 < cut < 1.5, cut
+    assert cut is not None and 0.3 < cut < 2.0, cut
     assert r0.is_alive()  # cutting a client does not stop rank 0
     assert Rank(1, 2, port).get() == UID and r0.get() == UID
 
@@ -179,7 +179,7 @@ def test_overall_timeout_is_absolute_under_slow_drip():
     err = r0.get()
     stop.set()
     assert isinstance(err, CommTimeoutError) and "rank(s) [1] never joined" in str(err), err
-    assert r0.elapsed < 3.0, r0.elapsed
+    assert r0.elapsed < 3.5, r0.elapsed
 
 
 @pytest.mark.timeout(30)
@@ -285,7 +285,7 @@ def test_silent_or_foreign_server_fails_in_bounded_time():
         client = Rank(1, 2, port, timeout=1.5, handshake_timeout=0.4)
         err = client.get()
     assert isinstance(err, CommTimeoutError) and "rank 1 could not get the unique id" in str(err), err
-    assert "handshake deadline" in str(err) and client.elapsed < 2.5, (err, client.elapsed)
+    assert "handshake deadline" in str(err) and client.elapsed < 3.0, (err, client.elapsed)
     port = free_port()
     srv = socket.create_server(("127.0.0.1", port))
 
@@ -308,11 +308,11 @@ def test_missing_ranks_are_named_in_bounded_time():
     err = r0.get()
     assert isinstance(err, CommTimeoutError) and "rank(s) [1, 3] never joined" in str(err), err
     assert "listens on loopback only" in str(err)
-    assert r0.elapsed < 2.5
+    assert r0.elapsed < 3.0
     lone = Rank(1, 2, free_port(), timeout=0.8)  # rank 0 never listens
     err = lone.get()
     assert isinstance(err, CommTimeoutError) and "rank 1 could not get the unique id" in str(err), err
-    assert lone.elapsed < 2.0
+    assert lone.elapsed < 2.3
 
 
 @pytest.mark.timeout(30)
