@@ -81,11 +81,11 @@ def test_missing_peer_times_out_on_both_sides():
 
 def test_world_mismatch_is_rejected():
     port = free_port()
-    server = spawn(0, 2, port, 10)
+    server = spawn(0, 2, port, 2)  # drops the bad hello and keeps waiting for a real rank 1
     client = spawn(1, 3, port, 10)
     out0, out1 = (p.communicate(timeout=30)[0].strip() for p in (server, client))
-    assert out0.startswith("ERR ValueError") and "world 3" in out0, out0
-    assert out1.startswith("ERR ValueError") and "rejected" in out1, out1
+    assert out0.startswith("ERR CommTimeoutError") and "rank 1 with world 3, expected world 2" in out0, out0
+    assert out1.startswith("ERR ValueError") and "refused rank 1 of world 3" in out1, out1
 
 
 def test_rank0_needs_its_id():
