@@ -10,7 +10,11 @@ Protocol (DESIGN.md, "Gradient managers"), per micro-batch::
         dw, accumulate = gm.block_full(layer, stream); <engine writes dw>; gm.notify_block(layer, stream)
     gm.end_micro_step(stream)
 
-then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``.
+then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``
+(and ``gm.grad_norm_squared``) until the next ``start_micro_step``: only after a completed step,
+``ProtocolError`` on a new manager, after ``load_state_dict`` and during a step. At the last
+micro-step every rank reduces every non-block gradient in layout order (the same collectives on
+every rank); one a rank did not fetch in the step contributes zeros.
 Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
 ordered by events; none blocks the host.
 
@@ -143,7 +147,7 @@ class GradientManager(ABC):
 
         Non-integer (bool, float) ``micro_step``/``total_micro_steps`` raise TypeError; starting
         a step when ``step`` is the last value of the 32-bit step counter raises OverflowError."""
-        self._check_open(f"start_micro_step({micro_step!r})")
+        self._check_open("start_micro_step")
         micro_step = _integer("micro_step", micro_step)
         total_micro_steps = _integer("total_micro_steps", total_micro_steps)
         cap = capture_of(self.device, stream)
@@ -162,7 +166,7 @@ class GradientManager(ABC):
         if micro_step >= total_micro_steps:
             raise ProtocolError(f"micro-step {micro_step} out of range for {total_micro_steps} micro-steps")
         if micro_step == 0 and self._capture is None:  # a capture's step number is checked at replay
-            self._check_step_room(self.step, running=True)
+            self._check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
         self._in_micro, self._micro, self._total = True, micro_step, total_micro_steps
         self._next_layer, self._fetched = self.layout.num_layers - 1, None
         if micro_step == 0:
@@ -196,13 +200,14 @@ class GradientManager(ABC):
         return self._micro == self._total - 1
 
     @staticmethod
-    def _check_step_room(step: int, running: bool) -> None:
-        """Step ``step`` (in progress when ``running``) must end with ``gm.step`` still a 32-bit
-        value: the seed counter never wraps (repeating noise) and every state can be reloaded."""
-        if step + int(running) > LAST_STEP:
-            raise OverflowError(f"step {step} is the last value of the 32-bit step counter (2**32 - 1): no step "
-                                "can start after it (its noise would repeat step 0's); start a new run with "
-                                "step=0 or another base seed")
+    def _check_step_room(what: str, end_step: int) -> None:
+        """``gm.step`` after the steps ``what`` starts must stay a 32-bit value: the seed counter
+        never wraps (which would repeat step 0's noise) and every state can be saved and reloaded,
+        so the last step that runs is 2**32 - 2."""
+        if end_step > LAST_STEP:
+            raise OverflowError(f"{what} would end with step {end_step}, past the 32-bit step counter (2**32 - 1): "
+                                "its noise would repeat step 0's and its state could not be saved; continue from "
+                                "step 0 (load_state_dict) or with another base seed")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -422,7 +427,8 @@ class GradientManager(ABC):
         if missing or unknown:
             raise ValueError(f"state keys: missing {sorted(missing)}, unknown {sorted(map(repr, unknown))}")
         version = state.get("version", STATE_VERSION)
-        if isinstance(version, bool) or version != STATE_VERSION:
+        if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+                or version != STATE_VERSION:
             raise ValueError(f"state version {version!r} is not supported (this lowgrad reads version {STATE_VERSION})")
         if not isinstance(state["strategy"], str):
             raise TypeError(f"state strategy must be a str, got {type(state['strategy']).__name__}")
@@ -515,7 +521,7 @@ class GradientManager(ABC):
             raise ProtocolError(f"graph assumes non-block gradients {sorted(tpl['assumed'])} were produced earlier "
                                 f"in the step; this step produced {sorted(self._nb_touched)}")
         micro = -1 if tpl["micro"] < 0 else (m + tpl["count"] - 1) % M
-        self._check_step_room(self.step + tpl["steps"], running=micro >= 0)
+        self._check_step_room("graph replay", self.step + tpl["steps"] + int(micro >= 0))
         return micro, M, self.step + tpl["steps"], set(tpl["touched"])
 
     def replay_before(self, stream: int) -> None:
