@@ -285,8 +285,9 @@ def test_replayed_step_with_unproduced_non_block_gradients(strategy: str) -> Non
         s = dev.stream()
         srcs = engine_inputs(dev, layout)
         eager, graphed = (lg.create_gradient_manager(layout, comm, strategy=strategy, seed=6) for _ in range(2))
-        for gm in (eager, graphed):
-            micro_step(gm, layout, srcs, s, 0, 1)  # a step producing everything: 'norm' holds data now
+        for gm in (eager, graphed):  # a step producing everything ('norm' holds data now); warms kernels
+            for m in range(M):
+                micro_step(gm, layout, srcs, s, m, M)
         g = lg.Graph(dev)
         with g.capture(s):
             run(graphed, srcs, s)
