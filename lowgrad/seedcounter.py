@@ -23,6 +23,9 @@ SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
 #: its layer, one lane per SR use) or (None, 0, one fixed seed per SR use)
 SeedSource = tuple["SeedCounter | None", int, list[int]]
 _U32, _U64 = 1 << 32, 1 << 64
+#: the largest step the counter holds; ``next_step`` from it would wrap to 0 (repeating step 0's
+#: noise), so a manager never starts step ``LAST_STEP`` (the step after it would not fit)
+LAST_STEP = _U32 - 1
 
 
 class SeedCounter:

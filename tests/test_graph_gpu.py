@@ -255,3 +255,53 @@ def test_nccl_collectives_replay_in_a_graph_at_world_1() -> None:
         assert g.kernel_nodes >= 1
 
     lg.run_threads(1, job, backend="cuda")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["unsharded", "all_to_all"])
+def test_replayed_step_with_unproduced_non_block_gradients(strategy: str) -> None:
+    """A captured step that produces 'emb' in micro-step 1 only and never 'norm': every replay
+    equals the eager step, 'norm' reads as zeros (zeroed and reduced like the others), and the
+    shards are unreadable until the first step completes."""
+    layout = small_layout()
+    M = 2
+
+    def run(gm: Any, srcs: dict, s: Any) -> None:
+        for m in range(M):
+            gm.start_micro_step(s, m, M)
+            if m == 1:
+                t, acc = gm.non_block_full("emb", s)
+                write(t, acc, srcs[("nb", "emb")], s)
+                gm.notify_non_block("emb", s)
+            for layer in reversed(range(layout.num_layers)):
+                dw, acc = gm.block_full(layer, s)
+                for spec in layout.block:
+                    write(dw[spec.name], acc, srcs[(layer, spec.name)], s)
+                gm.notify_block(layer, s)
+            gm.end_micro_step(s)
+
+    def job(comm: Any) -> None:
+        dev = comm.device
+        s = dev.stream()
+        srcs = engine_inputs(dev, layout)
+        eager, graphed = (lg.create_gradient_manager(layout, comm, strategy=strategy, seed=6) for _ in range(2))
+        for gm in (eager, graphed):  # a step producing everything ('norm' holds data now); warms kernels
+            for m in range(M):
+                micro_step(gm, layout, srcs, s, m, M)
+        g = lg.Graph(dev)
+        with g.capture(s):
+            run(graphed, srcs, s)
+        for _ in range(2):
+            run(eager, srcs, s)
+            g.replay(s)
+            a, b = shards(eager, layout, s), shards(graphed, layout, s)
+            assert all(np.array_equal(a[k], b[k]) for k in a)
+            assert not b["nb.norm"].any() and b["nb.emb"].any()
+        fresh = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=6)
+        with pytest.raises(ProtocolError, match="before any step completed"):
+            fresh.non_block_shard("emb", s)
+        for gm in (eager, graphed, fresh):
+            gm.close()
+        g.close()
+
+    lg.run_threads(1, job, backend="cuda")

@@ -1,6 +1,7 @@
 """Gradient managers on the GPU at world 1: every strategy's shards equal the host backend's bit
 for bit (noise is launch-independent), offload works against pinned memory, and the memory report
-matches DESIGN.md's formula."""
+matches DESIGN.md's formula. Protocol cases on the CUDA path: non-block gradients produced by some
+ranks only (at every GPU of the machine, up to 4), reads before a completed step, the last step."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
+from lowgrad.managers import ProtocolError
+from lowgrad.seedcounter import COUNTER_DTYPE, LAST_STEP
 from test_managers import STRATS, drive, small_layout
+from test_managers_protocol import Fetch, disjoint, expected, nb_layout, one_step, run_engine, scattered
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +35,7 @@ def test_cuda_memory_report_matches_formula(offload: bool) -> None:
 
     def job(c: Any) -> tuple[dict, bool]:
         gm = lg.create_gradient_manager(layout, c, strategy="scatter_reduce", offload=offload)
-        shard_kind = gm.block_shard(0, None)[layout.block[0].name].kind
+        shard_kind = gm.shards()[0].kind  # the tensors; their values are read after a step
         rep = gm.memory_report().as_dict()
         gm.close()
         return rep, shard_kind == ("pinned" if offload else "device")
@@ -58,3 +62,44 @@ def test_cuda_grad_norm_matches_host() -> None:
     (d,) = lg.run_threads(1, job, backend="cuda")
     (h,) = lg.run_threads(1, job, backend="host")
     assert d == pytest.approx(h, rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,offload", STRATS)
+@pytest.mark.parametrize("fetch", [disjoint, scattered], ids=["disjoint", "scattered"])
+def test_cuda_every_rank_reduces_every_non_block_gradient(strategy: str, offload: bool, fetch: Fetch) -> None:
+    """Ranks (one per GPU, world 4, 2 or 1) producing different non-block gradients: the same
+    NCCL collectives on every rank (no hang), exact means with zeros for unproduced ones."""
+    world = max(w for w in (1, 2, 4) if w <= lg.device_count())
+    layout, M, steps = nb_layout(), 3, 2
+    results = lg.run_threads(world, lambda c: run_engine(c, layout, strategy, offload, M, steps, fetch),
+                             backend="cuda", timeout=60)
+    for rank, per_step in enumerate(results):
+        for step, got in enumerate(per_step):
+            for key, want in expected(layout, world, rank, M, step, fetch).items():
+                np.testing.assert_array_equal(got[key], want, err_msg=f"rank {rank} step {step} {key}")
+
+
+@pytest.mark.timeout(120)
+def test_cuda_reads_need_a_completed_step_and_the_last_step_is_refused() -> None:
+    layout = small_layout()
+
+    def job(c: Any) -> tuple[int, ...]:
+        gm = lg.create_gradient_manager(layout, c, strategy="all_to_all", seed=2, step=LAST_STEP - 1)
+        s = c.device.stream()
+        for read in (lambda: gm.block_shard(0, s), lambda: gm.non_block_shard("emb", s),
+                     lambda: gm.grad_norm_squared(s)):
+            with pytest.raises(ProtocolError, match="before any step completed"):
+                read()
+        one_step(gm, 2, s)
+        gm.block_shard(0, s)
+        with pytest.raises(OverflowError):
+            gm.start_micro_step(s, 0, 1)
+        s.synchronize()
+        counter = tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist())
+        gm.close()
+        with pytest.raises(lg.ClosedError):
+            gm.block_shard(0, s)
+        return counter
+
+    assert lg.run_threads(1, job, backend="cuda") == [(2, LAST_STEP, 0)]

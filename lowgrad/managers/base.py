@@ -10,7 +10,11 @@ Protocol (DESIGN.md, "Gradient managers"), per micro-batch::
         dw, accumulate = gm.block_full(layer, stream); <engine writes dw>; gm.notify_block(layer, stream)
     gm.end_micro_step(stream)
 
-then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``.
+then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``
+(and ``gm.grad_norm_squared``) until the next ``start_micro_step``: only after a completed step,
+``ProtocolError`` on a new manager, after ``load_state_dict`` and during a step. At the last
+micro-step every rank reduces every non-block gradient in layout order (the same collectives on
+every rank); one a rank did not fetch in the step contributes zeros.
 Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
 ordered by events; none blocks the host.
 
@@ -23,22 +27,45 @@ template against the next micro-step and advances the state (see :mod:`lowgrad.g
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from .. import capture, ops
 from ..dtypes import DType, as_dtype, bf16, fp32
+from ..errors import ClosedError
 from ..graph import capture_of
 from ..layout import Layout, ParamSpec
-from ..seedcounter import SeedCounter
+from ..seedcounter import LAST_STEP, SeedCounter
 from ..stream import StreamLike, stream_handle
 from ..tensor import Container, Tensor, shard_view
 from ..trace import nvtx_range
 
 GRAD_DTYPES = (bf16, fp32)
+#: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
+STATE_VERSION = 1
+_STATE_KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world"})
 
 
 class ProtocolError(ValueError):
-    """A micro-step protocol violation (fetch out of order, notify without fetch, ...)."""
+    """A micro-step protocol violation (fetch out of order, notify without fetch, reading shards
+    before a step completed, ...)."""
+
+
+def _integer(what: str, value: Any) -> int:
+    """``value`` as an int; TypeError for anything but a Python or NumPy integer (bools and
+    floats included, even integral ones)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_step(what: str, value: Any) -> int:
+    step = _integer(what, value)
+    if not 0 <= step <= LAST_STEP:
+        raise ValueError(f"{what} must be in [0, 2**32), got {step}")
+    return step
 
 
 class GradientManager(ABC):
@@ -59,9 +86,10 @@ class GradientManager(ABC):
                 raise TypeError(f"parameter {spec.name!r} has dtype {as_dtype(spec.dtype).name}, "
                                 f"but the manager's gradient dtype is {self.dtype.name}")
         ops.check_seed(seed, 0)
-        if not isinstance(step, int) or not 0 <= step < 1 << 32:
-            raise ValueError(f"step must be an int in [0, 2**32), got {step!r}")
-        self.layout, self.comm, self.offload = layout, comm, bool(offload)
+        step = _check_step("step", step)
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
+        self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
         self.base_seed, self.step = seed, step
@@ -71,7 +99,9 @@ class GradientManager(ABC):
         self._comm_done = self.device.event(name="comm_done")
         self._nb_done = self.device.event(name="non_block_done")
         self._group_done = self.device.event(name="group_done")
-        # protocol state
+        # protocol state; _complete: the shards hold a completed step's gradients
+        self._closed = False
+        self._complete = False
         self._in_micro = False
         self._micro = -1
         self._total = 0
@@ -99,6 +129,7 @@ class GradientManager(ABC):
     def _alloc_non_block(self) -> None:
         lazy = self.device.lazy_allocator("device")
         self._nb_full = {s.name: lazy.alloc(s.shape, self.dtype, "non_block_grad") for s in self.layout.non_block}
+        self._nb_list = list(self._nb_full.values())  # layout order: the order every rank reduces them in
         self._nb_spec = {s.name: s for s in self.layout.non_block}
         if self._nb_full:
             lazy.commit()
@@ -112,14 +143,20 @@ class GradientManager(ABC):
         """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step; queues the
         seed counter's advance on the communication stream after ``stream``'s work so far. Inside
         a :class:`lowgrad.Graph` capture of ``stream`` it begins a template instead (see
-        :mod:`lowgrad.graph`): any micro-step may be captured, and host state is left as it was."""
+        :mod:`lowgrad.graph`): any micro-step may be captured, and host state is left as it was.
+
+        Non-integer (bool, float) ``micro_step``/``total_micro_steps`` raise TypeError; starting
+        a step when ``step`` is the last value of the 32-bit step counter raises OverflowError."""
+        self._check_open("start_micro_step")
+        micro_step = _integer("micro_step", micro_step)
+        total_micro_steps = _integer("total_micro_steps", total_micro_steps)
         cap = capture_of(self.device, stream)
         if cap is not None and cap is not self._capture:
             self._begin_capture(cap, micro_step, total_micro_steps)
         if self._in_micro:
             raise ProtocolError(f"start_micro_step({micro_step}) while micro-step {self._micro} is in progress")
-        if not isinstance(total_micro_steps, int) or total_micro_steps < 1:
-            raise ProtocolError(f"total_micro_steps must be a positive int, got {total_micro_steps!r}")
+        if total_micro_steps < 1:
+            raise ProtocolError(f"total_micro_steps must be positive, got {total_micro_steps}")
         expected = self._micro + 1 if self._micro >= 0 else 0
         if micro_step != expected:
             raise ProtocolError(f"micro-step {micro_step} started, expected {expected} (step {self.step})")
@@ -128,6 +165,8 @@ class GradientManager(ABC):
                                 f"within step {self.step}")
         if micro_step >= total_micro_steps:
             raise ProtocolError(f"micro-step {micro_step} out of range for {total_micro_steps} micro-steps")
+        if micro_step == 0 and self._capture is None:  # a capture's step number is checked at replay
+            self._check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
         self._in_micro, self._micro, self._total = True, micro_step, total_micro_steps
         self._next_layer, self._fetched = self.layout.num_layers - 1, None
         if micro_step == 0:
@@ -160,7 +199,22 @@ class GradientManager(ABC):
     def last_micro_step(self) -> bool:
         return self._micro == self._total - 1
 
+    @staticmethod
+    def _check_step_room(what: str, end_step: int) -> None:
+        """``gm.step`` after the steps ``what`` starts must stay a 32-bit value: the seed counter
+        never wraps (which would repeat step 0's noise) and every state can be saved and reloaded,
+        so the last step that runs is 2**32 - 2."""
+        if end_step > LAST_STEP:
+            raise OverflowError(f"{what} would end with step {end_step}, past the 32-bit step counter (2**32 - 1): "
+                                "its noise would repeat step 0's and its state could not be saved; continue from "
+                                "step 0 (load_state_dict) or with another base seed")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{what}: gradient manager used after close()")
+
     def _check_in_micro(self, what: str) -> None:
+        self._check_open(what)
         if not self._in_micro:
             raise ProtocolError(f"{what} outside a micro-step (call start_micro_step first)")
 
@@ -182,7 +236,7 @@ class GradientManager(ABC):
         self._fetched, self._next_layer = None, layer - 1
 
     def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+        if not 0 <= _integer("layer", layer) < self.layout.num_layers:
             raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
 
     def notify_block(self, layer: int, stream: StreamLike) -> None:
@@ -227,6 +281,7 @@ class GradientManager(ABC):
         if last:
             self.step += 1
             self._micro = -1
+            self._complete = True
 
     # ---- non-block parameters (full on every rank, reduce-scattered on the last micro-step)
     def non_block_full(self, name: str, stream: StreamLike) -> tuple[Tensor, bool]:
@@ -257,12 +312,16 @@ class GradientManager(ABC):
         self._nb_open.discard(name)
 
     def _finish_non_block(self, stream: StreamLike) -> None:
+        """Reduce-scatter every non-block gradient in layout order, whichever this rank produced:
+        every rank issues the same collectives. One this rank never fetched in the step (so
+        nothing was written into it since the previous step's reduce-scatter) is zeroed first and
+        contributes zeros to the mean."""
         self._join(stream)
         for name, t in self._nb_full.items():
-            if name not in self._nb_touched:  # never produced this step: its gradient is zero
+            if name not in self._nb_touched:
                 ops.fill_zero(t, self.comm_stream)
         if self.world > 1:  # world 1: the mean is the gradient
-            self.reduce_scatter_all([t for name, t in self._nb_full.items() if name in self._nb_touched])
+            self.reduce_scatter_all(self._nb_list)
         self._record(self._nb_done, self.comm_stream)
 
     def reduce_scatter_all(self, tensors: list[Tensor]) -> None:
@@ -275,8 +334,9 @@ class GradientManager(ABC):
 
     def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
         """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on
-        ``stream`` (which waits for the reduce-scatter). Valid between steps."""
-        self._check_between_steps(f"non_block_shard({name!r})")
+        ``stream`` (which waits for the reduce-scatter). Valid between steps, after a completed
+        step (ProtocolError otherwise); zeros where no rank produced it in the step."""
+        self._check_readable(f"non_block_shard({name!r})")
         t = self._nb(name)
         self._wait(self._nb_done, stream)
         return shard_view(t, self.rank, self.world)
@@ -288,9 +348,18 @@ class GradientManager(ABC):
             raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
 
     def _check_between_steps(self, what: str) -> None:
+        self._check_open(what)
         if self._in_micro or self._micro >= 0:
             raise ProtocolError(f"{what} during step {self.step} (micro-step {self._micro} of {self._total}); "
                                 "shards are complete only after the last micro-step ends")
+
+    def _check_readable(self, what: str) -> None:
+        """Shards and the norm hold a completed step: between steps, and a step has ended since
+        the manager was created or its state loaded (before that the buffers are uninitialised)."""
+        self._check_between_steps(what)
+        if not self._complete:
+            raise ProtocolError(f"{what} before any step completed (the manager is new or its state was just "
+                                "loaded): shards are read after the last micro-step of a step ends")
 
     # ---- containers ----------------------------------------------------------------------
     def _container(self, tensors: list[Tensor]) -> Container:
@@ -306,14 +375,22 @@ class GradientManager(ABC):
         return self.rank * (spec.numel // self.world)
 
     # ---- norm, memory, state --------------------------------------------------------------
-    @abstractmethod
     def shards(self) -> list[Tensor]:
-        """Every shard this rank holds (block layers then non-block), for optimizers and norms."""
+        """Every shard this rank holds (block layers then non-block), for optimizers and norms:
+        the tensors, at any time (e.g. to size optimizer state); their values follow the rules
+        of :meth:`block_shard` and :meth:`non_block_shard`."""
+        self._check_open("shards")
+        return self._block_shards() + [shard_view(t, self.rank, self.world) for t in self._nb_list]
+
+    @abstractmethod
+    def _block_shards(self) -> list[Tensor]:
+        """This rank's block shards, layer by layer in layout order."""
 
     def grad_norm_squared(self, stream: StreamLike = None) -> Tensor:
         """Sum of squares over every shard of every rank (fp32 scalar on the device, all-reduced),
-        queued on ``stream``. Valid between steps; read it with ``.numpy()``."""
-        self._check_between_steps("grad_norm_squared")
+        queued on ``stream``. Valid between steps, after a completed step (ProtocolError
+        otherwise); a collective: every rank calls it. Read it with ``.numpy()``."""
+        self._check_readable("grad_norm_squared")
         self._wait(self._comm_done, stream)
         for i, t in enumerate(self.shards()):
             ops.norm_squared(t, self._norm, accumulate=i > 0, stream=stream)
@@ -327,24 +404,48 @@ class GradientManager(ABC):
     def state_dict(self) -> dict[str, Any]:
         """What a restart needs for bit-identical gradients: base seed and step (between steps)."""
         self._check_between_steps("state_dict")
-        return {"strategy": self.strategy, "base_seed": self.base_seed, "step": self.step,
-                "rank": self.rank, "world": self.world}
+        return {"version": STATE_VERSION, "strategy": self.strategy, "base_seed": self.base_seed,
+                "step": self.step, "rank": self.rank, "world": self.world}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (same strategy and world; between steps)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same strategy, rank and world (between steps).
+        The whole state is checked before anything changes: TypeError for a non-mapping or a
+        value of the wrong type, ValueError for missing or unknown keys, an unknown version, a
+        value out of range or a mismatch. The shards are unreadable until the next step ends."""
         self._check_between_steps("load_state_dict")
-        for key in ("strategy", "world"):
-            if state.get(key) != getattr(self, key):
-                raise ValueError(f"state {key} {state.get(key)!r} does not match this manager's {getattr(self, key)!r}")
-        ops.check_seed(state["base_seed"], 0)
-        if not isinstance(state["step"], int) or not 0 <= state["step"] < 1 << 32:
-            raise ValueError(f"state step must be an int in [0, 2**32), got {state['step']!r}")
+        base_seed, step = self._parse_state(state)
         capture.forbid("load_state_dict")
-        self.base_seed, self.step = int(state["base_seed"]), int(state["step"])
+        self.base_seed, self.step, self._complete = base_seed, step, False
         self._counter.set(self.base_seed, self.step, self.comm_stream)
 
+    def _parse_state(self, state: Any) -> tuple[int, int]:
+        """The (base seed, step) of a valid :meth:`state_dict` for this manager."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
+        keys = set(state)
+        missing, unknown = _STATE_KEYS - {"version"} - keys, keys - _STATE_KEYS
+        if missing or unknown:
+            raise ValueError(f"state keys: missing {sorted(missing)}, unknown {sorted(map(repr, unknown))}")
+        version = state.get("version", STATE_VERSION)
+        if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+                or version != STATE_VERSION:
+            raise ValueError(f"state version {version!r} is not supported (this lowgrad reads version {STATE_VERSION})")
+        if not isinstance(state["strategy"], str):
+            raise TypeError(f"state strategy must be a str, got {type(state['strategy']).__name__}")
+        world, rank = _integer("state world", state["world"]), _integer("state rank", state["rank"])
+        base_seed = _integer("state base_seed", state["base_seed"])
+        ops.check_seed(base_seed, 0)
+        step = _check_step("state step", state["step"])
+        for key, value in (("strategy", state["strategy"]), ("world", world), ("rank", rank)):
+            if value != getattr(self, key):
+                raise ValueError(f"state {key} {value!r} does not match this manager's {getattr(self, key)!r}")
+        return base_seed, step
+
     def close(self) -> None:
-        """Free every gradient buffer now."""
+        """Free every gradient buffer now (idempotent); any later call raises ClosedError."""
+        if self._closed:
+            return
+        self._closed = True
         for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
             t.close()
 
@@ -361,7 +462,7 @@ class GradientManager(ABC):
                                 "progress outside it")
         if not (isinstance(micro_step, int) and isinstance(total, int) and 0 <= micro_step < total):
             raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
-        self._saved = (self._micro, self._total, self.step, set(self._nb_touched))
+        self._saved = (self._micro, self._total, self.step, set(self._nb_touched), self._complete)
         self._capture, self._captured = cap, set()
         self._micro, self._total = micro_step - 1, total
         self._nb_touched = set()
@@ -390,7 +491,7 @@ class GradientManager(ABC):
         eager work again; return the template (ProtocolError for a partial micro-step)."""
         partial, tpl = self._in_micro, dict(self._template)
         tpl["touched"], tpl["micro"] = frozenset(self._nb_touched), self._micro
-        self._micro, self._total, self.step, self._nb_touched = self._saved
+        self._micro, self._total, self.step, self._nb_touched, self._complete = self._saved
         self._in_micro, self._fetched, self._nb_open = False, None, set()
         self._capture, self._captured, self._template = None, set(), {}
         for e in self._events():
@@ -404,6 +505,7 @@ class GradientManager(ABC):
 
     def replay_check(self, tpl: dict[str, Any]) -> tuple[int, int, int, set[str]]:
         """Whether the captured micro-steps fit this manager's next ones; the state after them."""
+        self._check_open("graph replay")
         if self._in_micro:
             raise ProtocolError(f"graph replay while micro-step {self._micro} is in progress")
         m, M = (self._micro + 1 if self._micro >= 0 else 0), tpl["total"]
@@ -419,12 +521,14 @@ class GradientManager(ABC):
             raise ProtocolError(f"graph assumes non-block gradients {sorted(tpl['assumed'])} were produced earlier "
                                 f"in the step; this step produced {sorted(self._nb_touched)}")
         micro = -1 if tpl["micro"] < 0 else (m + tpl["count"] - 1) % M
+        self._check_step_room("graph replay", self.step + tpl["steps"] + int(micro >= 0))
         return micro, M, self.step + tpl["steps"], set(tpl["touched"])
 
     def replay_before(self, stream: int) -> None:
         self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
 
     def replay_done(self, state: tuple[int, int, int, set[str]], stream: int) -> None:
+        self._complete = self._complete or state[2] > self.step  # the replay ended a step
         self._micro, self._total, self.step, self._nb_touched = state
         for e in self._events():
             e.record(stream)

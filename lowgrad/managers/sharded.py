@@ -81,15 +81,14 @@ class ShardedManager(GradientManager):
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
-        ``stream``. Valid between steps."""
-        self._check_between_steps(f"block_shard({layer})")
+        ``stream``. Valid between steps, after a completed step (ProtocolError otherwise)."""
+        self._check_readable(f"block_shard({layer})")
         self._check_layer(layer)
         self._wait(self._comm_done, stream)
         return self._container(self._shards[layer])
 
-    def shards(self) -> list[Tensor]:
-        nb = [shard_view(t, self.rank, self.world) for t in self._nb_full.values()]
-        return [t for ts in self._shards for t in ts] + nb
+    def _block_shards(self) -> list[Tensor]:
+        return [t for ts in self._shards for t in ts]
 
     def _owned(self) -> list[Tensor]:
         return [t for ts in (*self._buffers, *self._shards) for t in ts]

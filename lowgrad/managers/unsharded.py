@@ -37,15 +37,15 @@ class UnshardedManager(GradientManager):
                 self.reduce_scatter_all(self._full[layer])
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
-        """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``."""
-        self._check_between_steps(f"block_shard({layer})")
+        """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``.
+        Valid between steps, after a completed step (ProtocolError otherwise)."""
+        self._check_readable(f"block_shard({layer})")
         self._check_layer(layer)
         self._wait(self._comm_done, stream)
         return self._container([shard_view(t, self.rank, self.world) for t in self._full[layer]])
 
-    def shards(self) -> list[Tensor]:
-        nb = [shard_view(t, self.rank, self.world) for t in self._nb_full.values()]
-        return [shard_view(t, self.rank, self.world) for ts in self._full for t in ts] + nb
+    def _block_shards(self) -> list[Tensor]:
+        return [shard_view(t, self.rank, self.world) for ts in self._full for t in ts]
 
     def _owned(self) -> list[Tensor]:
         return [t for ts in self._full for t in ts]
