@@ -110,28 +110,34 @@ def test_own_readable_directory_is_tightened(cache: Path) -> None:
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
 
 
+def planted(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A valid entry of a small kernel in ``cache``, then a clear process cache and a compile spy."""
+    compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90")
+    compiler.clear_memory_cache()
+    assert len(list(cache.glob("k-*.cubin"))) == 1
+    return counting_compile(monkeypatch)
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o720])
-def test_group_or_world_writable_directory_is_bypassed(warm: Path, golden: tuple[Path, dict[str, bytes]],
-                                                       monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
-    before = sorted(p.name for p in warm.iterdir())
-    os.chmod(warm, mode)
-    calls = counting_compile(monkeypatch)
+def test_group_or_world_writable_directory_is_bypassed(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       mode: int) -> None:
+    calls = planted(cache, monkeypatch)
+    before = sorted(p.name for p in cache.iterdir())
+    os.chmod(cache, mode)
     with pytest.warns(RuntimeWarning, match="writable by group or others") as got:
-        assert lowgrad.compile_kernels("sm_90") == golden[1]
-    assert len(got) == 1
-    assert sorted(calls) == sorted(f"{m}.cu" for m in compiler.MODULES)  # nothing read from it
-    assert sorted(p.name for p in warm.iterdir()) == before  # nothing written to it
-    assert stat.S_IMODE(os.stat(warm).st_mode) == mode  # and its mode is the user's business
+        compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90")
+    assert len(got) == 1 and calls == ["k.cu"]  # nothing read from it
+    assert sorted(p.name for p in cache.iterdir()) == before  # nothing written to it
+    assert stat.S_IMODE(os.stat(cache).st_mode) == mode  # and its mode is the user's business
 
 
 @ROOT_ONLY
-def test_directory_of_another_user_is_bypassed(warm: Path, golden: tuple[Path, dict[str, bytes]],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    os.chown(warm, FOREIGN_UID, FOREIGN_UID)
-    calls = counting_compile(monkeypatch)
+def test_directory_of_another_user_is_bypassed(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = planted(cache, monkeypatch)
+    os.chown(cache, FOREIGN_UID, FOREIGN_UID)
     with pytest.warns(RuntimeWarning, match=f"owned by uid {FOREIGN_UID}"):
-        assert lowgrad.compile_kernels("sm_90") == golden[1]
-    assert len(calls) == len(compiler.MODULES)
+        compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90")
+    assert calls == ["k.cu"]
 
 
 def test_uncreatable_directory_compiles_in_memory_with_one_warning(tmp_path: Path,
@@ -141,14 +147,14 @@ def test_uncreatable_directory_compiles_in_memory_with_one_warning(tmp_path: Pat
     compiler.clear_memory_cache()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        cubins = lowgrad.compile_kernels("sm_90")
-        compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90")
+        one = compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90")
+        two = compiler.compile_cuda(SRC % "2.0f", "k.cu", "sm_90")
     assert [w.category for w in got] == [RuntimeWarning] and "compiled in memory" in str(got[0].message)
-    assert all(c[:4] == b"\x7fELF" for c in cubins.values())
+    assert one[:4] == two[:4] == b"\x7fELF" and one != two
     calls = counting_compile(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert lowgrad.compile_kernels("sm_90") == cubins and calls == []  # held in the process
+        assert compiler.compile_cuda(SRC % "1.0f", "k.cu", "sm_90") is one and calls == []  # held in the process
 
 
 def test_unwritable_directory_compiles_with_one_warning(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,6 +170,19 @@ def test_unwritable_directory_compiles_with_one_warning(cache: Path, monkeypatch
 
 
 # ---- the entries ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage", "header only"])
+def test_damaged_entry_is_recompiled_silently(warm: Path, golden: tuple[Path, dict[str, bytes]],
+                                              monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    """A damaged entry (a crash mid-write, a bad disk) is no attack: no warning, rewritten whole."""
+    path = entry(warm, "fill_zero")
+    data = path.read_bytes()
+    head = len(compiler._MAGIC) + 4 + len(compiler._source_job("fill_zero", "sm_90").header) + 32
+    path.write_bytes({"truncate": data[:len(data) // 2], "flip": data[:-1] + bytes([data[-1] ^ 1]),
+                      "empty": b"", "garbage": bytes(range(256)) * 40, "header only": data[:head]}[damage])
+    recompiles_fill_zero(warm, golden, monkeypatch, None)
+    assert path.read_bytes() == data and not list(warm.glob("*.tmp"))
+
+
 def test_forged_entry_with_a_valid_self_checksum_is_not_loaded(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     forged = b"\x7fELF forged cubin"
