@@ -1,5 +1,6 @@
-"""``python -m lowgrad doctor``: what a user runs first on a broken setup. Each line is
-``ok`` or ``FAILED`` with the reason."""
+"""``python -m lowgrad doctor``: what a user runs first on a broken setup. Each line is ``ok``,
+``FAILED`` with the reason, or ``absent`` for the CUDA driver on a machine without one (the host
+backend still works there). The exit status is 1 when any line FAILED, else 0."""
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -13,12 +14,24 @@ def _line(status: str, what: str, detail: str) -> None:
     print(f"[{status:>6}] {what:<22} {detail}")
 
 
-def _check(what: str, fn: Callable[[], str]) -> bool:
-    try:
-        _line("ok", what, fn())
-        return True
-    except Exception as exc:  # the doctor reports every failure and carries on
-        _line("FAILED", what, f"{type(exc).__name__}: {exc}")
+class _Doctor:
+    """Runs the checks and remembers whether any FAILED."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def check(self, what: str, fn: Callable[[], str]) -> bool:
+        """Print ``what``'s line; True when it is ok. A CudaUnavailableError is ``absent``, not FAILED."""
+        from .errors import CudaUnavailableError
+
+        try:
+            _line("ok", what, fn())
+            return True
+        except CudaUnavailableError as exc:
+            _line("absent", what, str(exc))
+        except Exception as exc:  # the doctor reports every failure and carries on
+            _line("FAILED", what, f"{type(exc).__name__}: {exc}")
+            self.failed = True
         return False
 
 
@@ -68,10 +81,7 @@ def _nvrtc() -> str:
 def _cache() -> str:
     from . import compiler
 
-    d = compiler.cache_dir()
-    files = list(d.glob("*.cubin")) if d.is_dir() else []
-    size = sum(f.stat().st_size for f in files)
-    return f"{d}: {len(files)} cubins, {size / 2**20:.1f} MiB (LOWGRAD_CACHE_DIR moves it)"
+    return f"{compiler.check_cache()} (LOWGRAD_CACHE_DIR moves it)"
 
 
 def _nccl() -> str:
@@ -181,19 +191,16 @@ def _graph() -> str:
 
 
 def run() -> int:
+    """Print every line; 1 when any FAILED, else 0."""
     print(f"lowgrad doctor — Python {sys.version.split()[0]} on {platform.platform()}")
-    _check("packages", _packages)
-    _check("cuda-bindings", _bindings)
-    _check("NVRTC", _nvrtc)
-    _check("kernel cache", _cache)
-    _check("NCCL library", _nccl)
-    if not _check("CUDA driver", _driver):
+    doc = _Doctor()
+    for what, fn in (("packages", _packages), ("cuda-bindings", _bindings), ("NVRTC", _nvrtc),
+                     ("kernel cache", _cache), ("NCCL library", _nccl)):
+        doc.check(what, fn)
+    if doc.check("CUDA driver", _driver):
+        for what, fn in (("GPUs", _gpus), ("GPU links", _links), ("pinned bandwidth", _pinned_bandwidth),
+                         ("kernel", _kernel_smoke), ("NCCL world 1", _nccl_world1), ("CUDA graph", _graph)):
+            doc.check(what, fn)
+    else:
         print("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
-        return 0
-    _check("GPUs", _gpus)
-    _check("GPU links", _links)
-    _check("pinned bandwidth", _pinned_bandwidth)
-    _check("kernel", _kernel_smoke)
-    _check("NCCL world 1", _nccl_world1)
-    _check("CUDA graph", _graph)
-    return 0
+    return 1 if doc.failed else 0

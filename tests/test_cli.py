@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +12,36 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ) if cache is None else {**os.environ, "LOWGRAD_CACHE_DIR": str(cache)}
     return subprocess.run([sys.executable, "-m", "lowgrad", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+                          timeout=300, env=env)
 
 
-def test_doctor_reports_every_library() -> None:
-    out = run("doctor")
-    assert out.returncode == 0, out.stderr
+def test_doctor_reports_every_library(tmp_path: Path) -> None:
+    out = run("doctor", cache=tmp_path / "cache")
+    assert out.returncode == 0, out.stdout + out.stderr
     for what in ("packages", "NVRTC", "NCCL library", "CUDA driver", "kernel cache"):
         assert what in out.stdout
+    assert "[FAILED]" not in out.stdout
     assert "[    ok] NVRTC" in out.stdout and "[    ok] NCCL library" in out.stdout
+    assert "[    ok] kernel cache" in out.stdout and "private, writable" in out.stdout
+    assert "[    ok] CUDA driver" in out.stdout or "[absent] CUDA driver" in out.stdout
+
+
+@pytest.mark.parametrize("problem", ["world-writable", "not a directory"])
+def test_doctor_fails_on_an_unusable_kernel_cache(tmp_path: Path, problem: str) -> None:
+    cache = tmp_path / "cache"
+    if problem == "world-writable":
+        cache.mkdir()
+        os.chmod(cache, 0o777)
+    else:
+        cache.write_text("a file where the cache directory should be")
+    out = run("doctor", cache=cache)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = [ln for ln in out.stdout.splitlines() if "kernel cache" in ln]
+    assert line.startswith("[FAILED]") and str(cache) in line
+    assert "[    ok] NVRTC" in out.stdout  # the other lines still ran
 
 
 @pytest.mark.parametrize("world", [1, 2])
