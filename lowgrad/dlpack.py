@@ -17,6 +17,7 @@ check reads reference counts).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 from typing import Any
 
@@ -57,14 +58,23 @@ class _DLManagedTensorVersioned(ctypes.Structure):
 
 
 _LEGACY, _VERSIONED = b"dltensor", b"dltensor_versioned"
-_exports: dict[int, tuple[Any, ...]] = {}  # struct address -> (struct, shape, Memory): one per live export
-_unconsumed: dict[int, tuple[Any, bytes]] = {}  # struct address -> (capsule, its name) until consumed
+# Keyed by an export number that is never reused (struct addresses are): a late pop can never
+# remove a newer export.
+_exports: dict[int, tuple[Any, ...]] = {}  # export -> (struct, shape, Memory) while the export lives
+_unconsumed: dict[int, tuple[Any, bytes]] = {}  # export -> (capsule, its name) until consumed
+_numbers = itertools.count(1)
 
 
 @_Deleter
-def _delete(addr: int) -> None:
+def _delete_legacy(addr: int) -> None:
     """The consumer's release (any thread, maybe inside the GC): one atomic dict pop, no lock."""
-    _exports.pop(addr, None)
+    _exports.pop(_DLManagedTensor.from_address(addr).manager_ctx, None)
+
+
+@_Deleter
+def _delete_versioned(addr: int) -> None:
+    """As :func:`_delete_legacy`, for the versioned struct."""
+    _exports.pop(_DLManagedTensorVersioned.from_address(addr).manager_ctx, None)
 
 
 _api = ctypes.pythonapi
@@ -86,12 +96,12 @@ def _poll() -> None:
     calls this, from normal code)."""
     if not _unconsumed:
         return
-    for addr, entry in _unconsumed.copy().items():
+    for number, entry in _unconsumed.copy().items():
         if not _api.PyCapsule_IsValid(entry[0], entry[1]):  # renamed: the consumer owns the deleter
-            _unconsumed.pop(addr, None)
+            _unconsumed.pop(number, None)
         elif _refs(entry) <= _ALONE:  # nobody else can consume it any more
-            _unconsumed.pop(addr, None)
-            _exports.pop(addr, None)
+            _unconsumed.pop(number, None)
+            _exports.pop(number, None)
 
 
 release.add_poller(_poll)
@@ -126,8 +136,10 @@ def to_capsule(tensor: Any, device: tuple[int, int], max_version: tuple[int, int
     m: Any
     if max_version is None:
         m, name = _DLManagedTensor(), _LEGACY
+        m.deleter = _delete_legacy
     else:
         m, name = _DLManagedTensorVersioned(), _VERSIONED
+        m.deleter = _delete_versioned
         m.version = _DLPackVersion(*min(tuple(max_version), VERSION))
         m.flags = 0  # writable, not a copy
     t = m.dl_tensor
@@ -138,11 +150,10 @@ def to_capsule(tensor: Any, device: tuple[int, int], max_version: tuple[int, int
     t.shape = shape
     t.strides = None
     t.byte_offset = 0
-    m.deleter = _delete
-    addr = ctypes.addressof(m)
-    _exports[addr] = (m, shape, mem)
-    capsule = _api.PyCapsule_New(addr, name, None)
-    _unconsumed[addr] = (capsule, name)
+    number = m.manager_ctx = next(_numbers)
+    _exports[number] = (m, shape, mem)
+    capsule = _api.PyCapsule_New(ctypes.addressof(m), name, None)
+    _unconsumed[number] = (capsule, name)
     return capsule
 
 
