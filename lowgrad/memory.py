@@ -112,6 +112,7 @@ class Memory:
     counting (not the cyclic GC) frees it."""
 
     __slots__ = ("ptr", "nbytes", "host", "_release", "__weakref__")
+    _release: release.Finalizer  # set by Allocation.bind; refers to this block weakly only
 
     def __init__(self, ptr: int, nbytes: int, host: np.ndarray | None) -> None:
         self.ptr, self.nbytes, self.host = ptr, nbytes, host  # host: a uint8 view, or None

@@ -43,7 +43,7 @@ class Finalizer(weakref.ref):  # type: ignore[type-arg]
         return super().__new__(cls, obj, _collected)
 
     def __init__(self, obj: Any, fn: Callable[..., Any], *args: Any) -> None:
-        super().__init__(obj, _collected)
+        super().__init__(obj, _collected)  # type: ignore[call-arg]  # weakref.ref.__init__(obj, callback)
         self._fn, self._args = fn, args
         _live[self] = None
 
