@@ -26,7 +26,8 @@ class HostStream:
         self.device, self.priority, self.handle = device, priority, handle
 
     def synchronize(self) -> None:
-        """Nothing to wait for."""
+        """Nothing to wait for; a safe point for deferred releases."""
+        release.drain()
 
     def query(self) -> bool:
         return True

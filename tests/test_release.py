@@ -119,6 +119,10 @@ def test_gc_release_runs_at_the_next_allocation_and_synchronize() -> None:
     del u
     dev.synchronize()  # so is a synchronize
     assert dev.memory_report().bytes("dropped2") == 0
+    v = dev.alloc(10, lg.fp32, name="dropped3")
+    del v
+    dev.stream().synchronize()  # and a stream's synchronize
+    assert dev.memory_report().bytes("dropped3") == 0
 
 
 def test_host_numpy_view_keeps_memory_after_close() -> None:
