@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import capture, trace
+from . import capture, release, trace
 from .dtypes import DType, as_dtype
 from .memory import Allocation, LazyAllocator, MemoryReport, Registry, check_kind, check_nbytes
 from .stream import StreamLike, stream_handle
@@ -48,6 +48,7 @@ class DeviceBase(ABC):
 
     def _bind(self, a: Allocation, nbytes: int) -> None:
         capture.forbid(f"allocating {', '.join(a.parts)!r}")
+        release.drain()  # a safe point: free what finalizers queued before asking for more
         check_nbytes(nbytes, self.memory_limit(a.kind), f"allocation {', '.join(a.parts)!r}")
         ptr, free, host = self._raw_alloc(a.kind, nbytes)
         a.bind(ptr, free, host)

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import capture, nccl
+from . import capture, nccl, release
 from .collective import CommBase, Group, all_to_all_schedule, check_timeout
 from .dtypes import byte, fp8_e4m3
 from .errors import CommAbortedError, CommTimeoutError, NcclError
@@ -65,7 +64,7 @@ class Communicator(CommBase):
         self._tmp: dict[str, Tensor] = {}
         device.activate()
         self.handle, rc = nccl.comm_init_rank(world, bytes(unique_id), rank, blocking=False)
-        self._finalizer = weakref.finalize(self, _abort_handle, self.handle)
+        self._finalizer = release.Finalizer(self, _abort_handle, self.handle)  # GC: queued, not run
         self._settle("ncclCommInitRankConfig", rc, self.timeout)
 
     # ---- plumbing ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda, capture
+from . import _cuda, capture, release
 from .backend import DeviceBase
 from .memory import aligned_host_buffer, host_array
 from .stream import Event, Stream, StreamLike, stream_handle
@@ -72,6 +72,7 @@ class Device(DeviceBase):
         capture.forbid("Device.synchronize (a host sync)")
         self.activate()
         _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
+        release.drain()
 
     # ---- properties --------------------------------------------------------------------
     def attribute(self, name: str) -> int:

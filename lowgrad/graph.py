@@ -28,12 +28,11 @@ the graph.
 from __future__ import annotations
 
 import ctypes
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from . import _cuda, capture
+from . import _cuda, capture, release
 from .errors import CaptureError, ClosedError
 from .stream import StreamLike, stream_handle
 
@@ -101,7 +100,7 @@ class Graph:
         self._exec_handle = 0
         self._keep: set[Any] = set()
         self._participants: dict[Any, Any] = {}  # participant -> its template (None while capturing)
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: release.Finalizer | None = None
         self.kernel_nodes = 0
         self.nodes = 0
 
@@ -185,7 +184,7 @@ class Graph:
         self.nodes = len(listed)
         self.kernel_nodes = sum(int(_cuda.check("cuGraphNodeGetType", drv.cuGraphNodeGetType(n))) == _KERNEL_NODE
                                 for n in listed)
-        self._finalizer = weakref.finalize(self, _destroy, drv, self._exec, graph)
+        self._finalizer = release.Finalizer(self, _destroy, drv, self._exec, graph)
 
     def replay(self, stream: StreamLike = None) -> None:
         """Launch the captured work on ``stream`` (asynchronous). Every participant's check runs

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from . import release
 from .backend import DeviceBase
 from .memory import aligned_host_buffer
 from .tensor import Tensor
@@ -25,7 +26,8 @@ class HostStream:
         self.device, self.priority, self.handle = device, priority, handle
 
     def synchronize(self) -> None:
-        """Nothing to wait for."""
+        """Nothing to wait for; a safe point for deferred releases."""
+        release.drain()
 
     def query(self) -> bool:
         return True
@@ -94,7 +96,8 @@ class HostDevice(DeviceBase):
         """No context on the host."""
 
     def synchronize(self) -> None:
-        """Host work is already complete."""
+        """Host work is already complete; a safe point for deferred releases."""
+        release.drain()
 
     def stream(self, priority: int = 0) -> HostStream:
         return HostStream(self, priority)

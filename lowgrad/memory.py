@@ -1,19 +1,21 @@
 """Named allocations, the per-device memory report, and the lazy allocator.
 
 An :class:`Allocation` is one raw block (device, pinned, write-combined or plain host memory)
-owned by a backend. It is freed deterministically by :meth:`Allocation.close` or at garbage
-collection, whichever comes first; afterwards every tensor viewing it raises on use.
+owned by a backend. :meth:`Allocation.close` or garbage collection, whichever comes first, ends
+lowgrad's use of it (every tensor viewing it then raises on use); the memory itself is freed
+once no exported view (DLPack, a host numpy view) holds it any more, at the next safe point of
+:mod:`lowgrad.release`.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import release
 from .errors import ClosedError
 
 if TYPE_CHECKING:
@@ -102,6 +104,26 @@ class MemoryReport:
         return "\n".join(rows)
 
 
+class Memory:
+    """The raw block behind an :class:`Allocation`: it lives while the allocation is open or an
+    exported view (DLPack capsule, :meth:`Allocation.host_bytes` array) refers to it. When the
+    last reference goes, its :class:`~lowgrad.release.Finalizer` queues the free and the report
+    update (:mod:`lowgrad.release`). It holds nothing that refers back to it, so reference
+    counting (not the cyclic GC) frees it."""
+
+    __slots__ = ("ptr", "nbytes", "host", "_release", "__weakref__")
+    _release: release.Finalizer  # set by Allocation.bind; refers to this block weakly only
+
+    def __init__(self, ptr: int, nbytes: int, host: np.ndarray | None) -> None:
+        self.ptr, self.nbytes, self.host = ptr, nbytes, host  # host: a uint8 view, or None
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        """The whole block as writable uint8 (host-visible memory); an array made from it keeps
+        this block alive."""
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+
 class Allocation:
     """One raw block of memory. ``ptr`` is the device-visible address (for pinned memory the
     mapped device pointer, equal to the host address under unified addressing).
@@ -110,18 +132,21 @@ class Allocation:
     ``ptr is None`` until :meth:`LazyAllocator.commit`.
     """
 
-    __slots__ = ("device", "kind", "nbytes", "parts", "_ptr", "_host", "_finalizer", "__weakref__")
+    __slots__ = ("device", "kind", "nbytes", "parts", "_ptr", "_host", "_mem", "_bound", "__weakref__")
 
     def __init__(self, device: Any, kind: str, nbytes: int, parts: dict[str, int]) -> None:
         self.device, self.kind, self.nbytes, self.parts = device, kind, nbytes, parts
         self._ptr: int | None = None
         self._host: np.ndarray | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._mem: Memory | None = None
+        self._bound = False
 
     def bind(self, ptr: int, free: Callable[[], None], host: np.ndarray | None) -> None:
-        """Attach the raw block; ``free`` releases it exactly once (close or GC)."""
-        self._ptr, self._host = ptr, host
-        self._finalizer = weakref.finalize(self, _release, free, self.device.registry, self.parts, self.kind)
+        """Attach the raw block; ``free`` releases it exactly once, after :meth:`close` (or
+        collection) and the release of every exported view."""
+        mem = Memory(ptr, self.nbytes, host)
+        mem._release = release.Finalizer(mem, _release, free, self.device.registry, self.parts, self.kind)
+        self._mem, self._ptr, self._host, self._bound = mem, ptr, host, True
         self.device.registry.add(self.parts, self.kind, +1)
 
     @property
@@ -133,31 +158,42 @@ class Allocation:
 
     @property
     def closed(self) -> bool:
-        return self._finalizer is not None and self._ptr is None
+        return self._bound and self._ptr is None
+
+    @property
+    def memory(self) -> Memory:
+        """The raw block (an exporter holds it to keep the memory alive); raises when closed."""
+        m = self._mem
+        if m is None:
+            raise ClosedError(self._state_message())
+        return m
 
     def host_bytes(self) -> np.ndarray:
-        """A writable uint8 numpy view of the whole block (host-visible kinds only)."""
-        self.ptr  # raises when closed or not committed
-        if self._host is None:
+        """A writable uint8 numpy view of the whole block (host-visible kinds only); the view keeps
+        the memory alive after :meth:`close`."""
+        mem = self.memory
+        if mem.host is None:
             raise ValueError(f"{self.kind} memory is not host-visible")
-        return self._host
+        return np.asarray(mem)
 
     def close(self) -> None:
-        """Free the block now; idempotent."""
-        if self._finalizer is not None:
-            self._finalizer()
-            self._ptr = self._host = None
+        """End lowgrad's use of the block now (tensors raise ClosedError); idempotent. The memory
+        is freed here unless an exported view still holds it, then when the last one goes."""
+        self._ptr = self._host = None
+        self._mem = None  # the last reference: the Memory's finalizer queues the free
+        release.drain()
 
     def _state_message(self) -> str:
         names = ", ".join(self.parts) or "?"
-        if self._finalizer is None:
+        if not self._bound:
             return f"tensor {names!r} used before its lazy allocator was committed"
         return f"tensor {names!r} used after its memory was freed (close())"
 
 
 def _release(free: Callable[[], None], registry: Registry, parts: dict[str, int], kind: str) -> None:
-    registry.add(parts, kind, -1)
+    """Run by :func:`lowgrad.release.drain`: free the block, then update the report."""
     free()
+    registry.add(parts, kind, -1)
 
 
 def aligned_host_buffer(nbytes: int) -> tuple[int, np.ndarray]:

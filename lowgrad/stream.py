@@ -9,10 +9,9 @@ cuda.core) or a ``cuda_stream`` attribute (PyTorch).
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import TYPE_CHECKING, Any
 
-from . import _cuda, capture
+from . import _cuda, capture, release
 from .errors import ClosedError
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class Stream:
     """
 
     __slots__ = ("device", "handle", "priority", "_cu", "_owned", "_finalizer", "__weakref__")
-    _finalizer: weakref.finalize | None
+    _finalizer: release.Finalizer | None
 
     def __init__(self, device: Device, priority: int = 0) -> None:
         drv = _cuda.driver()
@@ -71,7 +70,7 @@ class Stream:
         self._cu = _cuda.check("cuStreamCreateWithPriority",
                                drv.cuStreamCreateWithPriority(_CU_STREAM_NON_BLOCKING, priority))
         self.device, self.handle, self.priority, self._owned = device, int(self._cu), priority, True
-        self._finalizer = weakref.finalize(self, _destroy_stream, drv, self._cu)
+        self._finalizer = release.Finalizer(self, _destroy_stream, drv, self._cu)
 
     @classmethod
     def wrap(cls, device: Device, handle: StreamLike) -> Stream:
@@ -88,6 +87,7 @@ class Stream:
         capture.forbid("Stream.synchronize (a host sync)")
         self.device.activate()
         _cuda.check("cuStreamSynchronize", _cuda.driver().cuStreamSynchronize(self._cu))
+        release.drain()
 
     def query(self) -> bool:
         """True when all work queued on this stream is done (never blocks)."""
@@ -139,7 +139,7 @@ class Event:
         flags = 0 if timing else _CU_EVENT_DISABLE_TIMING
         self._cu = _cuda.check("cuEventCreate", drv.cuEventCreate(flags))
         self.device, self.name, self.timing, self._closed, self.handle = device, name, timing, False, int(self._cu)
-        self._finalizer = weakref.finalize(self, _destroy_event, drv, self._cu)
+        self._finalizer = release.Finalizer(self, _destroy_event, drv, self._cu)
 
     def _live(self) -> None:
         if self._closed:

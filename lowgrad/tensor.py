@@ -43,10 +43,12 @@ class Tensor:
     """A contiguous, typed, shaped view: ``ptr`` (int address), ``dtype``, ``shape``, ``device``,
     ``kind`` ("device" | "pinned" | "write_combined" | "host") and ``name``.
 
-    Using a tensor whose memory was closed raises :class:`~lowgrad.errors.ClosedError`.
+    Using a tensor whose memory was closed raises :class:`~lowgrad.errors.ClosedError`. Memory
+    exported through DLPack, the CUDA array interface or :meth:`numpy` stays valid while the
+    exported view lives (see ``docs/resources.md``).
     """
 
-    __slots__ = ("_alloc", "_offset", "dtype", "shape", "name", "numel", "nbytes")
+    __slots__ = ("_alloc", "_offset", "dtype", "shape", "name", "numel", "nbytes", "_export")
 
     def __init__(self, alloc: Allocation, offset: int, dtype: DType, shape: tuple[int, ...], name: str) -> None:
         self._alloc, self._offset, self.dtype, self.shape, self.name = alloc, offset, dtype, shape, name
@@ -157,18 +159,24 @@ class Tensor:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA array interface v3 (CUDA device and pinned tensors). The interface has no
+        deleter: consumers (CuPy, Numba, PyTorch) keep this tensor object, so from now on the
+        tensor holds its memory until the tensor object itself is gone, even after ``close()``."""
         if self.kind not in _CUDA_VISIBLE or getattr(self.device, "backend", "") != "cuda":
             raise AttributeError("__cuda_array_interface__ is provided by CUDA device and pinned tensors only")
+        self._export = self._alloc.memory  # ClosedError when closed
         return {"shape": self.shape, "typestr": self.dtype.typestr, "data": (self.ptr, False),
                 "strides": None, "version": 3}
 
     def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
-        """A DLPack capsule over this tensor's memory (no copy). The consumer's ``stream`` is not
-        synchronised with lowgrad's streams: order work through events before sharing."""
-        if copy:
-            raise BufferError("lowgrad tensors are exported without copying (copy=True unsupported)")
-        return dlpack.to_capsule(self, self._dl_device())
+        """A DLPack capsule over this tensor's memory (no copy): versioned and writable when the
+        consumer passes ``max_version`` >= (1, 0), legacy otherwise. The memory stays valid until
+        the consumer releases the view, whatever is closed meanwhile. The consumer's ``stream``
+        is not synchronised with lowgrad's streams: order work through events before sharing."""
+        device = self._dl_device()
+        versioned = dlpack.check_request(device, max_version, dl_device, copy)
+        return dlpack.to_capsule(self, device, max_version if versioned else None)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._dl_device()

@@ -28,12 +28,16 @@ _lock = threading.Lock()
 
 
 def enable(target: str | None) -> None:
-    """Trace to stderr (``"1"``), to a file (a path), or switch tracing off (``None``/``""``)."""
+    """Trace to stderr (``"1"``), to a file (a path), or switch tracing off (``None``/``""``).
+    Safe while other threads log: the switch and the close of the previous file happen under the
+    lock every line is written under."""
     global ENABLED, _out
-    if _out not in (None, sys.stderr):
-        _out.close()  # type: ignore[union-attr]
-    _out = None if not target else (sys.stderr if target == "1" else open(target, "a", buffering=1))
-    ENABLED = _out is not None
+    new = None if not target else (sys.stderr if target == "1" else open(target, "a", buffering=1))
+    with _lock:
+        old, _out = _out, new
+        ENABLED = new is not None
+    if old not in (None, sys.stderr, new):
+        old.close()  # type: ignore[union-attr]  # no writer can hold it: they write under _lock
 
 
 def log(kind: str, name: str, **fields: Any) -> None:
@@ -41,8 +45,10 @@ def log(kind: str, name: str, **fields: Any) -> None:
     if _out is None:
         return
     extra = " ".join(f"{k}={v}" for k, v in fields.items())
+    line = f"lowgrad-trace {time.monotonic():.6f} {threading.current_thread().name} {kind} {name} {extra}\n"
     with _lock:
-        _out.write(f"lowgrad-trace {time.monotonic():.6f} {threading.current_thread().name} {kind} {name} {extra}\n")
+        if _out is not None:  # switched off since the check above
+            _out.write(line)
 
 
 _NO_RANGE = nullcontext()
