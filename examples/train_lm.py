@@ -71,7 +71,7 @@ try:
 except ImportError:  # run from a checkout without installing: use the package next to examples/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lowgrad as lg
-from lowgrad.seeds import NON_BLOCK_LAYER, use_seed
+from lowgrad.sr.seeds import NON_BLOCK_LAYER, use_seed
 
 Array = Any  # a numpy, CuPy or PyTorch array
 DEFAULT_TEXT = Path(__file__).with_name("tiny_text.txt")

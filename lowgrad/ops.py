@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from . import capture
-from .dtypes import DType, bf16, fp32, fp64
-from .seedcounter import SeedCounter, SeedSource
-from .stream import StreamLike, stream_handle
-from .tensor import Tensor
+from lowgrad.core import capture
+from lowgrad.core.dtypes import DType, bf16, fp32, fp64
+from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.core.tensor import Tensor
+from lowgrad.sr.seedcounter import SeedCounter, SeedSource
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
@@ -147,7 +147,7 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
     whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
     or ``count`` ints, each ``2 * tensor + phase``). Returns the backends' form,
-    :data:`~lowgrad.seedcounter.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
+    :data:`~lowgrad.sr.seedcounter.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
     with one entry per use."""
     if isinstance(seeds, tuple):
         if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowgrad import _cuda
+from lowgrad.cuda import driver as _cuda
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,14 +11,14 @@ import time
 import pytest
 
 import lowgrad as lg
-from lowgrad.bootstrap import exchange_unique_id, launcher_env
+from lowgrad.core.rendezvous import exchange_unique_id, launcher_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from lowgrad.bootstrap import exchange_unique_id
+from lowgrad.core.rendezvous import exchange_unique_id
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 uid = bytes(range(128)) if rank == 0 else None
 try:
@@ -114,7 +114,7 @@ def test_run_threads_arguments():
 
 
 def test_run_threads_cuda_world_above_gpu_count():
-    from lowgrad import _cuda
+    from lowgrad.cuda import driver as _cuda
     if not _cuda.available():
         with pytest.raises(lg.CudaUnavailableError):
             lg.run_threads(2, lambda c: None, backend="cuda")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad import _cuda
+from lowgrad.cuda import driver as _cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda.available(), reason=_cuda.unavailable_reason() or "no GPU")]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture
 def comm():
-    from lowgrad import nccl
+    from lowgrad.cuda import nccl
     dev = lg.Device(0)
     c = lg.Communicator(0, 1, nccl.unique_id(), dev, timeout=60)
     yield c

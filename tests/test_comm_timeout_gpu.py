@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad import _cuda
+from lowgrad.cuda import driver as _cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda.available(), reason=_cuda.unavailable_reason() or "no GPU")]
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.timeout(120)
 def test_infinite_timeout_waits_and_completes() -> None:
-    from lowgrad import nccl
+    from lowgrad.cuda import nccl
 
     dev = lg.Device(0)
     with lg.Communicator(0, 1, nccl.unique_id(), dev, timeout=float("inf")) as comm:
@@ -32,7 +32,7 @@ def test_infinite_timeout_waits_and_completes() -> None:
 @pytest.mark.parametrize("bad, exc", [(float("nan"), ValueError), (-1.0, ValueError), (0, ValueError),
                                       (True, TypeError), ("5", TypeError)])
 def test_bad_timeouts_are_refused_before_any_work(bad: object, exc: type) -> None:
-    from lowgrad import nccl
+    from lowgrad.cuda import nccl
 
     dev = lg.Device(0)
     with pytest.raises(exc, match="timeout"):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import lowgrad
-from lowgrad import compiler
-from lowgrad.errors import NvrtcError
+from lowgrad.core.errors import NvrtcError
+from lowgrad.cuda import compiler
 
 
 @pytest.fixture

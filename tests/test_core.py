@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.memory import ALIGN
+import lowgrad.cuda.driver
+from lowgrad.core.memory import ALIGN
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def test_import_without_driver_and_clear_unavailable_error() -> None:
     code = "import lowgrad; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
-    if lg._cuda.unavailable_reason() is not None:
+    if lg.cuda.driver.unavailable_reason() is not None:
         with pytest.raises(lg.CudaUnavailableError, match="CUDA unavailable"):
             lg.Device(0)
 
@@ -81,7 +82,7 @@ def test_gc_frees(host: lg.HostDevice) -> None:
     t = host.alloc(1000, lg.fp32, name="tmp")
     assert host.memory_report().bytes("tmp") == 4000
     del t
-    gc.collect()  # the finalizer only queues the release (lowgrad.release) ...
+    gc.collect()  # the finalizer only queues the release (lowgrad.core.release) ...
     host.synchronize()  # ... a safe point runs it
     assert host.memory_report().bytes("tmp") == 0
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad import dlpack, release
-from lowgrad.hostcomm import HostCollective
+from lowgrad.core import dlpack, release
+from lowgrad.host.communicator import HostCollective
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""CUDA-graph support without a GPU: the capture guards (lowgrad.capture), lowgrad.Graph's
+"""CUDA-graph support without a GPU: the capture guards (lowgrad.core.capture), lowgrad.Graph's
 argument checks, and the gradient manager's template/replay state machine driven on the host
 backend by a stand-in graph (the CUDA run is tests/test_graph_gpu.py)."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from test_managers import small_layout
 
 import lowgrad as lg
-from lowgrad import capture
-from lowgrad.managers import ProtocolError, base
-from lowgrad.seedcounter import COUNTER_DTYPE
-from test_managers import small_layout
+from lowgrad.core import capture
+from lowgrad.managers import ProtocolError
+from lowgrad.sr.seedcounter import COUNTER_DTYPE
 
 
 class FakeGraph:
@@ -35,7 +35,7 @@ class FakeGraph:
 def fake_capture(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Managers see ``holder[0]`` as the capture of their stream while it is set."""
     holder: list[Any] = [None]
-    monkeypatch.setattr(base, "capture_of", lambda device, stream: holder[0])
+    monkeypatch.setattr(lg.HostDevice, "capture_of", lambda device, stream: holder[0])
     return holder
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_managers import STRATS, small_layout
 
 import lowgrad as lg
 from lowgrad.managers import ProtocolError
-from test_managers import STRATS, small_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -204,7 +204,7 @@ def test_capture_refuses_host_syncs_allocations_and_restores_the_manager() -> No
 
 
 def test_manager_refuses_a_foreign_capture() -> None:
-    from lowgrad import _cuda
+    from lowgrad.cuda import driver as _cuda
 
     def job(comm: Any) -> None:
         dev = comm.device

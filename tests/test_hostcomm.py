@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.collective import all_to_all_schedule, all_to_all_skip, all_to_all_source
-from lowgrad.hostcomm import HostCollective, HostCommunicator, host_reduce
+from lowgrad.core.collective import (
+    all_to_all_schedule,
+    all_to_all_skip,
+    all_to_all_source,
+)
+from lowgrad.host.communicator import HostCollective, HostCommunicator, host_reduce
 
 WORLDS = [1, 2, 3, 4, 8]
 
@@ -394,7 +398,7 @@ def test_bad_timeout_is_rejected_before_any_work(bad, exc):
 
 
 def test_timeout_none_is_the_default():
-    from lowgrad.collective import DEFAULT_TIMEOUT, check_timeout
+    from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout
 
     assert HostCollective(2, None).timeout == DEFAULT_TIMEOUT
     assert make_comms(1, timeout=2)[0].timeout == 2.0  # None on the communicator: the collective's

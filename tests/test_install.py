@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lowgrad.compiler import MODULES
+from lowgrad.cuda.compiler import MODULES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ def test_installed_package_finds_its_kernels_and_subpackages(tmp_path: Path) -> 
     modules = sorted(f"lowgrad.{p.stem}" for p in (REPO / "lowgrad").glob("*.py") if p.stem != "__main__")
     modules += sorted(f"lowgrad.{p.parent.name}" for p in (REPO / "lowgrad").glob("*/__init__.py"))
     code = (f"import importlib; [importlib.import_module(m) for m in {modules!r}]; "
-            "import lowgrad, lowgrad.compiler as c; print(lowgrad.__file__); "
+            "import lowgrad, lowgrad.cuda.compiler as c; print(lowgrad.__file__); "
             "print(c.kernel_dir()); print(sorted(lowgrad.compile_kernels('sm_90')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     if out.returncode and "No module named 'lowgrad'" in out.stderr:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import lowgrad
-from lowgrad import compiler
+from lowgrad.cuda import compiler
 
 SRC = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] = %s; }'
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")

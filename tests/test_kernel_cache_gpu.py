@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lowgrad import compiler
+from lowgrad.cuda import compiler
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.dtypes import as_dtype
+from lowgrad.core.dtypes import as_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +119,7 @@ def test_add_sr_matches_host(gpu: lg.Device, host: lg.HostDevice, dts: tuple[lg.
 
 
 def test_add_sr_host_is_the_reference(host: lg.HostDevice) -> None:
-    """The host backend used as the oracle above is lowgrad.reference itself."""
+    """The host backend used as the oracle above is lowgrad.sr.reference itself."""
     rng, _ = _rng()
     a, b = _values(rng, 2051, lg.fp32), _values(rng, 2051, lg.bf16)
     seed, off = secrets.randbits(64), _offset(rng)

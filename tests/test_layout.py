@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import lowgrad
-from lowgrad.layout import PRESETS, Layout, ParamSpec, llama_layout
+from lowgrad.managers.layout import PRESETS, Layout, ParamSpec, llama_layout
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 3, "vocab_size": 256}

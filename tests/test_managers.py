@@ -318,7 +318,7 @@ def test_bind_add_sr_multi_host_equals_separate_calls_and_checks() -> None:
 def test_seed_counter_seeds_follow_the_counter_on_the_host() -> None:
     """Kernels bound to a SeedCounter use DESIGN's per-use seed of the counter's value when they
     run: set, next_micro and next_step change the noise exactly as use_seed says."""
-    from lowgrad.seedcounter import SeedCounter
+    from lowgrad.sr.seedcounter import SeedCounter
     h = lg.HostDevice()
     rng = np.random.default_rng(4)
     a = rng.standard_normal(1000).astype(ml_dtypes.bfloat16)

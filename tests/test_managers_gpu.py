@@ -8,12 +8,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_managers import STRATS, drive, small_layout
+from test_managers_protocol import (
+    Fetch,
+    disjoint,
+    expected,
+    nb_layout,
+    one_step,
+    run_engine,
+    scattered,
+)
 
 import lowgrad as lg
 from lowgrad.managers import ProtocolError
-from lowgrad.seedcounter import COUNTER_DTYPE, LAST_STEP
-from test_managers import STRATS, drive, small_layout
-from test_managers_protocol import Fetch, disjoint, expected, nb_layout, one_step, run_engine, scattered
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, LAST_STEP
 
 pytestmark = pytest.mark.gpu
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import lowgrad as lg
-from lowgrad.managers import ProtocolError, base
-from lowgrad.seedcounter import COUNTER_DTYPE, LAST_STEP
 from test_graph import FakeGraph
 from test_managers import STRATS, small_layout
+
+import lowgrad as lg
+from lowgrad.managers import ProtocolError
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, LAST_STEP
 
 NB = [lg.ParamSpec("a", (8, 4)), lg.ParamSpec("b", (8, 4)), lg.ParamSpec("c", (4, 2), zero_init=True)]
 NAMES = [s.name for s in NB]
@@ -25,7 +25,7 @@ Fetch = Callable[[int, int, int], set[str]]  # (rank, step, micro_step) -> the n
 def fake_capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Managers see ``holder[0]`` (a test_graph.FakeGraph) as the capture of their stream while set."""
     holder: list[Any] = [None]
-    monkeypatch.setattr(base, "capture_of", lambda device, stream: holder[0])
+    monkeypatch.setattr(lg.HostDevice, "capture_of", lambda device, stream: holder[0])
     return holder
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-nccl = pytest.importorskip("lowgrad.nccl")
+nccl = pytest.importorskip("lowgrad.cuda.nccl")
 
 
 def _loadable() -> bool:
@@ -65,7 +65,7 @@ def test_bad_library_path_gives_clear_error(tmp_path):
     bogus = tmp_path / "libnccl.so.2"
     bogus.write_bytes(b"not a shared object")
     for path in (str(tmp_path / "missing.so"), str(bogus)):
-        code = "import lowgrad.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n    print('ERR', e)\n"
+        code = "import lowgrad.cuda.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n    print('ERR', e)\n"
         env = dict(os.environ, LOWGRAD_NCCL_LIBRARY=path)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -73,7 +73,7 @@ def test_bad_library_path_gives_clear_error(tmp_path):
 
 
 def test_import_does_not_load_the_library():
-    code = "import lowgrad, lowgrad.nccl as n, lowgrad.comm, lowgrad.bootstrap\nprint(n._lib is None)\n"
+    code = "import lowgrad, lowgrad.cuda.nccl as n, lowgrad.cuda.communicator, lowgrad.bootstrap\nprint(n._lib is None)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
@@ -84,7 +84,7 @@ _FAKE_NCCL = "int ncclGetVersion(int *v) { *v = 21803; return 0; }\n"  # NCCL's 
 
 def _load_error(path: str) -> str:
     """What loading ``path`` as LOWGRAD_NCCL_LIBRARY raises, from a fresh interpreter."""
-    code = ("import lowgrad.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n"
+    code = ("import lowgrad.cuda.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n"
             "    print('ERR', e)\n")
     env = dict(os.environ, LOWGRAD_NCCL_LIBRARY=path)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
@@ -124,6 +124,6 @@ def test_a_symbol_missing_from_the_real_library_is_a_library_error(monkeypatch):
     with pytest.raises(nccl.NcclLibraryError, match="ncclNoSuchSymbol") as info:
         nccl.version()
     assert path in str(info.value)
-    from lowgrad.errors import NcclLibraryError
+    from lowgrad.core.errors import NcclLibraryError
 
     assert nccl.NcclLibraryError is NcclLibraryError

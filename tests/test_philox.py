@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import lowgrad
-from lowgrad.philox import philox4x32_10, sr_noise
+from lowgrad.sr.philox import philox4x32_10, sr_noise
 
 M = 0xFFFFFFFF
 KAT = [  # Random123 kat_vectors: philox4x32_10

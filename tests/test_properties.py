@@ -20,10 +20,10 @@ from hypothesis.extra import numpy as hnp
 
 import lowgrad
 from lowgrad import ops
-from lowgrad import reference as R
-from lowgrad import seeds
-from lowgrad.layout import PRESETS
-from lowgrad.philox import philox4x32_10, sr_noise
+from lowgrad.managers.layout import PRESETS
+from lowgrad.sr import reference as R
+from lowgrad.sr import seeds
+from lowgrad.sr.philox import philox4x32_10, sr_noise
 
 BF = ml_dtypes.bfloat16
 U64 = 1 << 64

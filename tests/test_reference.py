@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import lowgrad
-from lowgrad import reference as R
-from lowgrad.philox import sr_noise
+from lowgrad.sr import reference as R
+from lowgrad.sr.philox import sr_noise
 
 BF = ml_dtypes.bfloat16
 MAX_BF16 = float(ml_dtypes.finfo(BF).max)

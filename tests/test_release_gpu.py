@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad import dlpack, nccl, release
+from lowgrad.core import dlpack, release
+from lowgrad.cuda import nccl
 
 pytestmark = pytest.mark.gpu
 

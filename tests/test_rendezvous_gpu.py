@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import lowgrad as lg
-from lowgrad import _cuda
+from lowgrad.cuda import driver as _cuda
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _cuda.available(), reason=_cuda.unavailable_reason() or "no GPU")]

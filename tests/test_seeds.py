@@ -6,13 +6,13 @@ import itertools
 import numpy as np
 import pytest
 
-from lowgrad.seeds import NON_BLOCK_LAYER, use_seed, use_seeds
+from lowgrad.sr.seeds import NON_BLOCK_LAYER, use_seed, use_seeds
 
 M = 0xFFFFFFFF
 
 
 def philox_ref(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, ...]:
-    """Scalar Random123 Philox4x32-10, written independently of lowgrad.philox."""
+    """Scalar Random123 Philox4x32-10, written independently of lowgrad.sr.philox."""
     c0, c1, c2, c3 = ctr
     k0, k1 = key
     for _ in range(10):

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import lowgrad as lg
-from lowgrad import trace
+from lowgrad.core import trace
 
 
 def test_trace_file_gets_one_line_per_copy(tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_trace_file_gets_one_line_per_copy(tmp_path: Path) -> None:
 
 
 def test_trace_from_environment_and_off_by_default(tmp_path: Path) -> None:
-    code = ("import lowgrad as lg; from lowgrad import trace; h = lg.HostDevice(); "
+    code = ("import lowgrad as lg; from lowgrad.core import trace; h = lg.HostDevice(); "
             "a = h.alloc(4, lg.bf16, name='x'); lg.ops.copy(a, a); print(trace.ENABLED)")
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                         env={"LOWGRAD_TRACE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})

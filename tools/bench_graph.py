@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
-from lowgrad.tensor import Tensor  # noqa: E402
+from lowgrad.core.tensor import Tensor
 
 
 def span(tensors: list[Tensor]) -> Tensor:

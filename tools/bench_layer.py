@@ -24,10 +24,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
-from lowgrad.bandwidth import copy_bandwidths  # noqa: E402
-from lowgrad.compiler import add_sr_multi_spec  # noqa: E402
-from lowgrad.dtypes import byte  # noqa: E402
-from lowgrad.seeds import use_seed  # noqa: E402
+from lowgrad.cli.bandwidth import copy_bandwidths
+from lowgrad.core.dtypes import byte
+from lowgrad.cuda.compiler import add_sr_multi_spec
+from lowgrad.sr.seeds import use_seed
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

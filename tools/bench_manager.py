@@ -25,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
-from lowgrad.bandwidth import copy_bandwidths  # noqa: E402
-from lowgrad.dtypes import byte  # noqa: E402
-from lowgrad.memory import align_up  # noqa: E402
-from lowgrad.tensor import Tensor  # noqa: E402
+from lowgrad.cli.bandwidth import copy_bandwidths
+from lowgrad.core.dtypes import byte
+from lowgrad.core.memory import align_up
+from lowgrad.core.tensor import Tensor
 
 RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
         ("all_to_all", True))

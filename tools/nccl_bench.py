@@ -56,7 +56,7 @@ def point_elements(nbytes: int, itemsize: int, world: int) -> int:
 # ---- lowgrad -------------------------------------------------------------------------------
 def lowgrad_rank(comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import lowgrad as lg
-    from lowgrad import _cuda
+    from lowgrad.cuda import driver as _cuda
 
     dev, world = comm.device, comm.world
     stream = dev.stream()
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"bad arguments: {bad or 'sizes/factor'}")
 
     import lowgrad as lg
-    from lowgrad import nccl
+    from lowgrad.cuda import nccl
 
     world = args.world or lg.device_count()
     cfg = {"world": world, "ops": ops, "dtypes": dtypes, "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dtypes import DType, bf16
-from ..layout import Layout
-from .base import GradientManager, ProtocolError
-from .sharded import AllToAllManager, ShardedManager
-from .unsharded import UnshardedManager
+from lowgrad.core.dtypes import DType, bf16
+from lowgrad.core.errors import ProtocolError
+from lowgrad.managers.base import GradientManager
+from lowgrad.managers.layout import Layout
+from lowgrad.managers.sharded import AllToAllManager, ShardedManager
+from lowgrad.managers.unsharded import UnshardedManager
 
 STRATEGIES: dict[str, type[GradientManager]] = {
     "unsharded": UnshardedManager,

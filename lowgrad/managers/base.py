@@ -18,11 +18,11 @@ every rank); one a rank did not fetch in the step contributes zeros.
 Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
 ordered by events; none blocks the host.
 
-Seeds: the SR kernels read the manager's :class:`~lowgrad.seedcounter.SeedCounter` (device
+Seeds: the SR kernels read the manager's :class:`~lowgrad.sr.seedcounter.SeedCounter` (device
 memory) when they run; ``start_micro_step`` and the last ``end_micro_step`` queue its advance on
 the communication stream. Micro-steps may be captured in a :class:`lowgrad.Graph`: inside a
 capture the manager records a template and leaves its state alone; each replay checks the
-template against the next micro-step and advances the state (see :mod:`lowgrad.graph`).
+template against the next micro-step and advances the state (see :mod:`lowgrad.cuda.graph`).
 """
 from __future__ import annotations
 
@@ -32,25 +32,20 @@ from typing import Any
 
 import numpy as np
 
-from .. import capture, ops
-from ..dtypes import DType, as_dtype, bf16, fp32
-from ..errors import ClosedError
-from ..graph import capture_of
-from ..layout import Layout, ParamSpec
-from ..seedcounter import LAST_STEP, SeedCounter
-from ..stream import StreamLike, stream_handle
-from ..tensor import Container, Tensor, shard_view
-from ..trace import nvtx_range
+from lowgrad import ops
+from lowgrad.core import capture
+from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
+from lowgrad.core.errors import ClosedError, ProtocolError
+from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.core.trace import nvtx_range
+from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.sr.seedcounter import LAST_STEP, SeedCounter
 
 GRAD_DTYPES = (bf16, fp32)
 #: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
 STATE_VERSION = 1
 _STATE_KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world"})
-
-
-class ProtocolError(ValueError):
-    """A micro-step protocol violation (fetch out of order, notify without fetch, reading shards
-    before a step completed, ...)."""
 
 
 def _integer(what: str, value: Any) -> int:
@@ -109,7 +104,7 @@ class GradientManager(ABC):
         self._fetched: int | None = None
         self._nb_open: set[str] = set()
         self._nb_touched: set[str] = set()
-        # CUDA-graph capture (lowgrad.graph): the Graph capturing this manager's micro-steps, the
+        # CUDA-graph capture (lowgrad.cuda.graph): the Graph capturing this manager's micro-steps, the
         # events recorded in it, the host state before it, and the template of what it captured
         self._capture: Any = None
         self._captured: set[Any] = set()
@@ -122,7 +117,7 @@ class GradientManager(ABC):
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
 
     def device_priority_high(self) -> int:
-        rng = getattr(self.device, "stream_priority_range", (0, 0))
+        rng = self.device.stream_priority_range
         return min(rng)
 
     # ---- allocation ----------------------------------------------------------------------
@@ -143,14 +138,14 @@ class GradientManager(ABC):
         """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step; queues the
         seed counter's advance on the communication stream after ``stream``'s work so far. Inside
         a :class:`lowgrad.Graph` capture of ``stream`` it begins a template instead (see
-        :mod:`lowgrad.graph`): any micro-step may be captured, and host state is left as it was.
+        :mod:`lowgrad.cuda.graph`): any micro-step may be captured, and host state is left as it was.
 
         Non-integer (bool, float) ``micro_step``/``total_micro_steps`` raise TypeError; starting
         a step when ``step`` is the last value of the 32-bit step counter raises OverflowError."""
         self._check_open("start_micro_step")
         micro_step = _integer("micro_step", micro_step)
         total_micro_steps = _integer("total_micro_steps", total_micro_steps)
-        cap = capture_of(self.device, stream)
+        cap = self.device.capture_of(stream)
         if cap is not None and cap is not self._capture:
             self._begin_capture(cap, micro_step, total_micro_steps)
         if self._in_micro:
@@ -453,7 +448,7 @@ class GradientManager(ABC):
     def _owned(self) -> list[Tensor]:
         """The block tensors this manager allocated."""
 
-    # ---- CUDA-graph capture and replay (lowgrad.graph calls these) ---------------------------
+    # ---- CUDA-graph capture and replay (lowgrad.cuda.graph calls these) ---------------------------
     def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
         """First micro-step of this manager in capture ``cap``: save host state, then set it so
         that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""

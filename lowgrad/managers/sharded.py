@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import ops
-from ..stream import StreamLike
-from ..tensor import Container, Tensor, shard_view
-from .base import GradientManager
+from lowgrad import ops
+from lowgrad.core.streams import StreamLike
+from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.managers.base import GradientManager
 
 
 class ShardedManager(GradientManager):

@@ -3,9 +3,9 @@ accumulates into them; on the last micro-step each tensor is reduce-scattered (a
 and the shards are views of the full buffers."""
 from __future__ import annotations
 
-from ..stream import StreamLike
-from ..tensor import Container, Tensor, shard_view
-from .base import GradientManager
+from lowgrad.core.streams import StreamLike
+from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.managers.base import GradientManager
 
 
 class UnshardedManager(GradientManager):

@@ -1,0 +1,206 @@
+"""``python -m lowgrad doctor``: what a user runs first on a broken setup. Each line is ``ok``,
+``FAILED`` with the reason, or ``absent`` for the CUDA driver on a machine without one (the host
+backend still works there). The exit status is 1 when any line FAILED, else 0."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import sys
+from collections.abc import Callable
+
+
+def _line(status: str, what: str, detail: str) -> None:
+    print(f"[{status:>6}] {what:<22} {detail}")
+
+
+class _Doctor:
+    """Runs the checks and remembers whether any FAILED."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def check(self, what: str, fn: Callable[[], str]) -> bool:
+        """Print ``what``'s line; True when it is ok. A CudaUnavailableError is ``absent``, not FAILED."""
+        from lowgrad.core.errors import CudaUnavailableError
+
+        try:
+            _line("ok", what, fn())
+            return True
+        except CudaUnavailableError as exc:
+            _line("absent", what, str(exc))
+        except Exception as exc:  # the doctor reports every failure and carries on
+            _line("FAILED", what, f"{type(exc).__name__}: {exc}")
+            self.failed = True
+        return False
+
+
+def _packages() -> str:
+    names = ["numpy", "ml_dtypes", "cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc",
+             "nvidia-nccl-cu12", "nvidia-nccl-cu13"]
+    found = []
+    for n in names:
+        try:
+            found.append(f"{n} {md.version(n)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def _driver() -> str:
+    from lowgrad.cuda import driver as _cuda
+
+    drv = _cuda.driver()
+    v = _cuda.check("cuDriverGetVersion", drv.cuDriverGetVersion())
+    return f"CUDA driver API {v // 1000}.{v % 1000 // 10} from {_loaded('libcuda')}"
+
+
+def _loaded(name: str) -> str:
+    """The path of a shared library this process has mapped (from /proc/self/maps), or '?'."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if name in line and "/" in line}
+    except OSError:
+        return "?"
+    return ", ".join(sorted(paths)) or "?"
+
+
+def _bindings() -> str:
+    import cuda.bindings
+
+    return f"cuda-bindings {cuda.bindings.__version__} from {os.path.dirname(cuda.bindings.__file__)}"
+
+
+def _nvrtc() -> str:
+    from lowgrad.cuda import compiler
+
+    major, minor = compiler.nvrtc_version()
+    return f"NVRTC {major}.{minor} from {_loaded('libnvrtc')}; kernel sources {compiler.kernel_dir()}"
+
+
+def _cache() -> str:
+    from lowgrad.cuda import compiler
+
+    return f"{compiler.check_cache()} (LOWGRAD_CACHE_DIR moves it)"
+
+
+def _nccl() -> str:
+    from lowgrad.cuda import nccl
+
+    return f"NCCL {'.'.join(map(str, nccl.version()))} from {nccl.library_path()}"
+
+
+def _gpus() -> str:
+    from lowgrad.cuda.device import Device, device_count
+
+    rows = []
+    for i in range(device_count()):
+        d = Device(i)
+        rows.append(f"#{i} {d.name} {d.arch} {d.sm_count} SMs {d.total_memory / 2**30:.1f} GiB "
+                    f"L2 {d.l2_bytes / 2**20:.0f} MiB bus {d.pci_bus_id}")
+    return "; ".join(rows)
+
+
+def _links() -> str:
+    from lowgrad.cuda import driver as _cuda
+    from lowgrad.cuda.device import Device, device_count
+
+    n = device_count()
+    if n < 2:
+        return "one GPU: no peer links to check"
+    drv = _cuda.driver()
+    rows = []
+    for i in range(n):
+        row = []
+        for j in range(n):
+            ok = i == j or bool(_cuda.check("cuDeviceCanAccessPeer",
+                                            drv.cuDeviceCanAccessPeer(Device(i)._dev, Device(j)._dev)))
+            row.append("x" if i == j else ("P2P" if ok else "-"))
+        rows.append(f"#{i}: " + " ".join(row))
+    return "; ".join(rows)
+
+
+def _pinned_bandwidth() -> str:
+    from lowgrad.cli.bandwidth import copy_bandwidths
+    from lowgrad.cuda.device import Device
+
+    bw = copy_bandwidths(Device(0), 1 << 28, reps=3)
+    return f"H2D {bw['h2d'] / 1e9:.1f} GB/s, D2H {bw['d2h'] / 1e9:.1f} GB/s (pinned, 128 MiB copies)"
+
+
+def _kernel_smoke() -> str:
+    import numpy as np
+
+    from lowgrad import ops
+    from lowgrad.core.dtypes import bf16
+    from lowgrad.core.tensor import from_numpy
+    from lowgrad.cuda.device import Device
+
+    d = Device(0)
+    x = np.linspace(-3, 3, 1000, dtype=np.float32)
+    a, b = from_numpy(x, d, name="doctor"), from_numpy(x, d, name="doctor")
+    out = d.alloc(1000, bf16, name="doctor")
+    ops.add_sr(out, a, b, 0.5, seed=1)
+    d.synchronize()
+    got = out.numpy().astype(np.float32)
+    if np.max(np.abs(got - x)) > 0.05:
+        raise RuntimeError("add_sr result is wrong")
+    return f"add_sr compiled for {d.arch}, launched and checked"
+
+
+def _nccl_world1() -> str:
+    import numpy as np
+
+    from lowgrad.bootstrap import run_threads
+    from lowgrad.core.tensor import from_numpy
+
+    def job(comm: object) -> float:
+        t = from_numpy(np.full(8, 3.0, np.float32), comm.device, name="doctor")  # type: ignore[attr-defined]
+        comm.all_reduce(t, op="sum")  # type: ignore[attr-defined]
+        comm.device.synchronize()  # type: ignore[attr-defined]
+        return float(t.numpy()[0])
+
+    (v,) = run_threads(1, job, backend="cuda")
+    if v != 3.0:
+        raise RuntimeError(f"all-reduce at world 1 gave {v}")
+    return "all-reduce at world 1 through NCCL"
+
+
+def _graph() -> str:
+    import numpy as np
+
+    from lowgrad import ops
+    from lowgrad.core.tensor import from_numpy
+    from lowgrad.cuda.device import Device
+    from lowgrad.cuda.graph import Graph
+
+    d = Device(0)
+    x, one = from_numpy(np.zeros(256, np.float32), d, name="doctor"), from_numpy(np.ones(256, np.float32), d,
+                                                                                  name="doctor")
+    s = d.stream()
+    g = Graph(d)
+    with g.capture(s):
+        ops.add_sr(x, x, one, 1.0, stream=s)
+    for _ in range(3):
+        g.replay(s)
+    s.synchronize()
+    if not np.all(x.numpy() == 3.0):
+        raise RuntimeError("a replayed add_sr gave the wrong result")
+    g.close()
+    return f"captured a kernel in a CUDA graph ({g.kernel_nodes} kernel node), replayed 3 times, checked"
+
+
+def run() -> int:
+    """Print every line; 1 when any FAILED, else 0."""
+    print(f"lowgrad doctor — Python {sys.version.split()[0]} on {platform.platform()}")
+    doc = _Doctor()
+    for what, fn in (("packages", _packages), ("cuda-bindings", _bindings), ("NVRTC", _nvrtc),
+                     ("kernel cache", _cache), ("NCCL library", _nccl)):
+        doc.check(what, fn)
+    if doc.check("CUDA driver", _driver):
+        for what, fn in (("GPUs", _gpus), ("GPU links", _links), ("pinned bandwidth", _pinned_bandwidth),
+                         ("kernel", _kernel_smoke), ("NCCL world 1", _nccl_world1), ("CUDA graph", _graph)):
+            doc.check(what, fn)
+    else:
+        print("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
+    return 1 if doc.failed else 0

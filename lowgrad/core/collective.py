@@ -1,0 +1,258 @@
+"""What the NCCL and host communicators share: argument checks, reduction-op names, the
+all-to-all schedule, and the methods written once on top of the backend primitives.
+
+Every check here runs before any communication is queued, so a bad argument raises
+``ValueError``/``TypeError`` and leaves the communicator usable.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from functools import lru_cache
+from numbers import Real
+from typing import Any
+
+from lowgrad.core.errors import ClosedError, CommAbortedError
+from lowgrad.core.tensor import Tensor
+
+# reduction op name -> ncclRedOp_t (the host backend uses the same names)
+OPS = {"sum": 0, "max": 2, "avg": 4}
+REDUCE_SCATTER_OPS = ("avg", "sum")
+ALL_REDUCE_OPS = ("sum", "avg", "max")
+DEFAULT_TIMEOUT = 300.0  # seconds, for initialisation, waits and host rendezvous
+WAIT_SLICE = 3600.0  # seconds: the longest single blocking wait (an infinite timeout waits in slices)
+
+
+def check_timeout(timeout: Any, default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds to wait: ``None`` gives ``default``; a positive int or float, ``float('inf')``
+    meaning no limit. NaN, zero, negative values are a ValueError; bools and non-numbers a
+    TypeError."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, Real):
+        raise TypeError(f"timeout must be seconds (an int or float, inf for none), got {timeout!r}")
+    t = float(timeout)
+    if math.isnan(t) or t <= 0:
+        raise ValueError(f"timeout must be positive seconds (inf for no limit), got {timeout!r}")
+    return t
+
+
+def wait_slice(left: float) -> float:
+    """A blocking wait of ``left`` seconds capped to :data:`WAIT_SLICE` (``Condition.wait``,
+    ``socket.settimeout`` and ``Lock.acquire`` overflow on ``inf``); callers loop to the deadline."""
+    return min(left, WAIT_SLICE)
+
+
+def check_op(call: str, op: str, allowed: tuple[str, ...]) -> int:
+    """The ncclRedOp_t code of ``op``; ValueError when ``call`` does not support it."""
+    if op not in allowed:
+        raise ValueError(f"{call}: op must be one of {allowed}, got {op!r}")
+    return OPS[op]
+
+
+def check_tensor(comm: CommBase, call: str, t: Any, what: str = "t", divisible: bool = False) -> None:
+    """``t`` is a live tensor on ``comm.device`` in memory the backend can communicate, and (with
+    ``divisible``) its element count splits into ``comm.world`` equal slots."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{call}: {what} must be a lowgrad Tensor, got {type(t).__name__}")
+    if t.closed:
+        raise ClosedError(f"{call}: tensor {t.name!r} used after close()")
+    if t.device is not comm.device:
+        raise ValueError(f"{call}: tensor {t.name!r} lives on {t.device!r}, not on this communicator's "
+                         f"device {comm.device!r}")
+    comm._check_memory(call, t)
+    if divisible and t.numel % comm.world:
+        raise ValueError(f"{call}: tensor {t.name!r} of shape {t.shape} has {t.numel} elements, not "
+                         f"divisible by world {comm.world}")
+
+
+def check_peer(comm: CommBase, call: str, peer: Any) -> int:
+    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < comm.world:
+        raise ValueError(f"{call}: peer {peer!r} outside [0, {comm.world})")
+    return peer
+
+
+def check_same(call: str, a: Tensor, b: Tensor) -> None:
+    if a.dtype is not b.dtype:
+        raise TypeError(f"{call}: dtype mismatch: {a.name!r} is {a.dtype.name}, {b.name!r} is {b.dtype.name}")
+
+
+@lru_cache(maxsize=None)
+def all_to_all_schedule(rank: int, world: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The destructive all-to-all as ``world - 1`` sequential steps of one send and one recv:
+    ``(send_peer, send_slot, recv_peer, recv_slot)`` for d = 1 .. world-1.
+
+    At step d rank r sends slot (r+d)%W to rank (r+d)%W and receives rank (r-d)%W's slot r into
+    slot (r+d-1)%W. The slot received into at step d was sent at step d-1 (at d=1 it is the own
+    slot, consumed before the call), so steps run in order on one stream are race-free.
+    """
+    return tuple(((rank + d) % world, (rank + d) % world, (rank - d) % world, (rank + d - 1) % world)
+                 for d in range(1, world))
+
+
+def all_to_all_skip(rank: int, world: int) -> int:
+    """The slot that holds no peer's contribution after :meth:`CommBase.all_to_all`."""
+    return (rank + world - 1) % world
+
+
+def all_to_all_source(rank: int, world: int, slot: int) -> int:
+    """The rank whose slot ``rank`` lands in ``slot`` of rank ``rank`` (``slot != skip``)."""
+    if slot == all_to_all_skip(rank, world):
+        raise ValueError(f"slot {slot} is the skip slot of rank {rank} at world {world}")
+    return (rank - ((slot - rank) % world) - 1) % world
+
+
+class CommBase(ABC):
+    """The communicator interface both backends implement (NCCL: :class:`lowgrad.Communicator`;
+    host: :class:`lowgrad.HostCommunicator`).
+
+    ``rank``, ``world``, ``device``, ``timeout`` (seconds; ``inf``: no limit). Tensors passed to the collectives
+    must live on ``device``; ``stream=None`` means the device's default stream (inside
+    :meth:`group`, the group's stream).
+    """
+
+    rank: int
+    world: int
+    device: Any
+    timeout: float
+
+    def _init_base(self, rank: int, world: int, device: Any, timeout: float | None) -> None:
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError(f"world must be a positive int, got {world!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+            raise ValueError(f"rank {rank!r} outside [0, {world})")
+        self.rank, self.world, self.device, self.timeout = rank, world, device, check_timeout(timeout)
+        self._state = "open"  # "open" | "aborted" | "closed"
+        self._group_depth = 0
+        self._group: Group | None = None
+
+    # ---- state -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._state != "open"
+
+    @property
+    def aborted(self) -> bool:
+        return self._state == "aborted"
+
+    def _check_open(self, call: str) -> None:
+        if self._state == "closed":
+            raise ClosedError(f"{call}: communicator used after close()")
+        if self._state == "aborted":
+            raise CommAbortedError(f"{call}: communicator rank {self.rank} was aborted")
+
+    def _check_not_grouped(self, call: str) -> None:
+        if self._group_depth:
+            raise ValueError(f"{call} cannot run inside comm.group(): it needs the results of its "
+                             "own transfers (run it outside the group)")
+
+    def _group_open(self, g: Group) -> None:
+        """Shared bookkeeping of :meth:`Group.__enter__`."""
+        self._check_open("group")
+        if self._group_depth:
+            raise ValueError("comm.group() does not nest")
+        self._group_depth = 1
+        self._group = g
+
+    def _check_memory(self, call: str, t: Tensor) -> None:
+        """Backend hook: reject memory kinds the backend cannot communicate."""
+
+    # ---- argument prologues (shared; return what the backend call needs) ---------------
+    def _rs_args(self, t: Tensor, op: str) -> tuple[int, int]:
+        self._check_open("reduce_scatter")
+        code = check_op("reduce_scatter", op, REDUCE_SCATTER_OPS)
+        check_tensor(self, "reduce_scatter", t, divisible=True)
+        return t.numel // self.world, code
+
+    def _ag_args(self, t: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(shard, full) for in-place (``out`` None, ``t`` full) or out-of-place all-gather."""
+        self._check_open("all_gather")
+        if out is None:
+            check_tensor(self, "all_gather", t, divisible=True)
+            n = t.numel // self.world
+            return t.flat().view(self.rank * n, n), t
+        check_tensor(self, "all_gather", t, "shard")
+        check_tensor(self, "all_gather", out, "out")
+        check_same("all_gather", t, out)
+        if out.numel != t.numel * self.world:
+            raise ValueError(f"all_gather: out {out.name!r} of shape {out.shape} must hold world ({self.world}) x "
+                             f"shard {t.name!r} of shape {t.shape} = {t.numel * self.world} elements")
+        return t, out
+
+    def _ar_args(self, t: Tensor, op: str) -> int:
+        self._check_open("all_reduce")
+        code = check_op("all_reduce", op, ALL_REDUCE_OPS)
+        check_tensor(self, "all_reduce", t)
+        return code
+
+    def _p2p_args(self, call: str, t: Tensor, peer: int) -> int:
+        self._check_open(call)
+        check_tensor(self, call, t)
+        return check_peer(self, call, peer)
+
+    def _a2a_args(self, t: Tensor) -> int:
+        self._check_open("all_to_all")
+        self._check_not_grouped("all_to_all")
+        check_tensor(self, "all_to_all", t, divisible=True)
+        return t.numel // self.world
+
+    @staticmethod
+    def _check_bytes(call: str, data: Any) -> bytes:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{call}: data must be bytes, got {type(data).__name__}")
+        return bytes(data)
+
+    # ---- written once on the backend primitives ----------------------------------------
+    def all_to_all_skip(self) -> int:
+        """This rank's slot without a peer contribution after :meth:`all_to_all`."""
+        return all_to_all_skip(self.rank, self.world)
+
+    def host_gather(self, data: bytes, root: int = 0) -> list[bytes] | None:
+        """Every rank's ``data`` in rank order on ``root``; None on the other ranks. Blocking."""
+        root = check_peer(self, "host_gather", root)
+        out = self.host_allgather(data)
+        return out if self.rank == root else None
+
+    @abstractmethod
+    def host_allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (small bytes) in rank order, on every rank. Blocking."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Abort: pending and later calls raise CommAbortedError; peers are woken."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the communicator (idempotent)."""
+
+    def __enter__(self) -> CommBase:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None and self._state == "open":
+            self.abort()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world={self.world}, device={self.device!r}, {self._state})"
+
+
+class Group:
+    """The context manager :meth:`comm.group` returns: calls inside the ``with`` block are
+    scheduled and execute together when it exits; then ``event`` is recorded on the group's
+    ``stream`` (wait on it with ``stream.wait(g.event)`` or ``comm.wait(g.event)``). Groups do
+    not nest. An exception escaping the block after something was scheduled aborts the
+    communicator: a partially scheduled transaction cannot be taken back from the peers."""
+
+    __slots__ = ("comm", "stream", "event", "scheduled")
+
+    def __init__(self, comm: Any, stream: Any, event: Any) -> None:
+        self.comm, self.stream, self.event, self.scheduled = comm, stream, event, 0
+
+    def __enter__(self) -> Group:
+        self.comm._group_begin(self)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.comm._group_end(self, failed=exc_type is not None)

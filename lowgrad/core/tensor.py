@@ -1,0 +1,297 @@
+"""Tensors: typed, shaped, contiguous views of an :class:`~lowgrad.core.memory.Allocation`, and
+named containers of them.
+
+Device tensors expose ``__cuda_array_interface__`` (v3) and DLPack; host-visible tensors
+(host, pinned, write-combined) give a writable numpy view through :meth:`Tensor.numpy`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from lowgrad.core import dlpack
+from lowgrad.core.dtypes import DType, as_dtype
+from lowgrad.core.errors import ClosedError
+from lowgrad.core.memory import HOST_VISIBLE, Allocation, align_up, check_kind
+
+_CUDA_VISIBLE = frozenset(("device", "pinned", "write_combined"))  # addressable by the GPU
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """Normalise a shape (int or sequence of ints) and reject negative or non-integer dims."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+            raise TypeError(f"shape {shape!r}: dimensions must be ints")
+        if d < 0:
+            raise ValueError(f"shape {shape!r}: negative dimension")
+        if d >= 1 << 63:
+            raise ValueError(f"shape {shape!r}: dimension {d} does not fit int64")
+    return tuple(int(d) for d in dims)
+
+
+class Tensor:
+    """A contiguous, typed, shaped view: ``ptr`` (int address), ``dtype``, ``shape``, ``device``,
+    ``kind`` ("device" | "pinned" | "write_combined" | "host") and ``name``.
+
+    Using a tensor whose memory was closed raises :class:`~lowgrad.core.errors.ClosedError`. Memory
+    exported through DLPack, the CUDA array interface or :meth:`numpy` stays valid while the
+    exported view lives (see ``docs/resources.md``).
+    """
+
+    __slots__ = ("_alloc", "_offset", "dtype", "shape", "name", "numel", "nbytes", "_export")
+
+    def __init__(self, alloc: Allocation, offset: int, dtype: DType, shape: tuple[int, ...], name: str) -> None:
+        self._alloc, self._offset, self.dtype, self.shape, self.name = alloc, offset, dtype, shape, name
+        self.numel = math.prod(shape)
+        self.nbytes = self.numel * dtype.itemsize
+
+    @property
+    def ptr(self) -> int:
+        """Device-visible address of element 0 (raises after close)."""
+        p = self._alloc._ptr
+        if p is None:
+            raise ClosedError(self._alloc._state_message())
+        return p + self._offset
+
+    @property
+    def device(self) -> Any:
+        return self._alloc.device
+
+    @property
+    def kind(self) -> str:
+        return self._alloc.kind
+
+    @property
+    def allocation(self) -> Allocation:
+        return self._alloc
+
+    @property
+    def closed(self) -> bool:
+        return self._alloc.closed
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def close(self) -> None:
+        """Free the memory under this tensor now (every view of it becomes unusable)."""
+        self._alloc.close()
+
+    def __enter__(self) -> Tensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- views -------------------------------------------------------------------------
+    def view(self, start: int, numel: int, shape: Any = None) -> Tensor:
+        """A contiguous sub-view of ``numel`` elements from flat element ``start`` (1-D unless
+        ``shape`` is given)."""
+        if start < 0 or numel < 0 or start + numel > self.numel:
+            raise ValueError(f"view [{start}, {start + numel}) outside tensor {self.name!r} of {self.numel} elements")
+        shp = (numel,) if shape is None else check_shape(shape)
+        if math.prod(shp) != numel:
+            raise ValueError(f"shape {shp} does not hold {numel} elements")
+        return Tensor(self._alloc, self._offset + start * self.dtype.itemsize, self.dtype, shp, self.name)
+
+    def flat(self) -> Tensor:
+        """The same memory as a 1-D tensor."""
+        return self.view(0, self.numel)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        """The same contiguous memory with another shape (same number of elements)."""
+        shp = check_shape(shape[0] if len(shape) == 1 else shape)
+        if math.prod(shp) != self.numel:
+            raise ValueError(f"cannot reshape tensor {self.name!r} of shape {self.shape} to {shp}")
+        return Tensor(self._alloc, self._offset, self.dtype, shp, self.name)
+
+    def __getitem__(self, key: Any) -> Tensor:
+        """Contiguous slicing along dim 0 (``t[a:b]``, step 1) or one index (``t[i]``)."""
+        if not self.shape:
+            raise IndexError("cannot index a 0-d tensor")
+        rows, row = self.shape[0], math.prod(self.shape[1:])
+        if isinstance(key, slice):
+            start, stop, step = key.indices(rows)
+            if step != 1:
+                raise ValueError("only contiguous slices (step 1) along dim 0 are supported")
+            stop = max(stop, start)
+            return self.view(start * row, (stop - start) * row, (stop - start,) + self.shape[1:])
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + rows if key < 0 else int(key)
+            if not 0 <= i < rows:
+                raise IndexError(f"index {key} out of range for dim 0 of size {rows}")
+            return self.view(i * row, row, self.shape[1:])
+        raise TypeError(f"tensors index along dim 0 with an int or a slice, not {type(key).__name__}")
+
+    # ---- host access -------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A writable numpy view of host-visible memory (host, pinned, write-combined kinds, and
+        every tensor of the host backend) or a host copy of CUDA device memory (after a device
+        synchronise)."""
+        if self._alloc._host is not None or self.kind in HOST_VISIBLE:
+            raw = self._alloc.host_bytes()[self._offset:self._offset + self.nbytes]
+            return raw.view(self.dtype.np).reshape(self.shape)
+        out = np.empty(self.shape, self.dtype.np)
+        self.device.copy_to_host(out, self)
+        return out
+
+    # ---- interop -----------------------------------------------------------------------
+    def bitcast(self, dtype: DType | str) -> Tensor:
+        """The same bytes as another dtype (e.g. bf16 as fp16 or byte); the last dimension scales
+        by the ratio of the item sizes and must divide evenly."""
+        dt = as_dtype(dtype)
+        shape = self.shape or (1,)
+        last = shape[-1] * self.dtype.itemsize
+        if last % dt.itemsize:
+            raise ValueError(f"cannot bitcast tensor {self.name!r} of shape {self.shape} ({self.dtype.name}) to "
+                             f"{dt.name}: the last dimension's {last} bytes are not a multiple of {dt.itemsize}")
+        return Tensor(self._alloc, self._offset, dt, shape[:-1] + (last // dt.itemsize,), self.name)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA array interface v3 (CUDA device and pinned tensors). The interface has no
+        deleter: consumers (CuPy, Numba, PyTorch) keep this tensor object, so from now on the
+        tensor holds its memory until the tensor object itself is gone, even after ``close()``."""
+        if self.kind not in _CUDA_VISIBLE or getattr(self.device, "backend", "") != "cuda":
+            raise AttributeError("__cuda_array_interface__ is provided by CUDA device and pinned tensors only")
+        self._export = self._alloc.memory  # ClosedError when closed
+        return {"shape": self.shape, "typestr": self.dtype.typestr, "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> Any:
+        """A DLPack capsule over this tensor's memory (no copy): versioned and writable when the
+        consumer passes ``max_version`` >= (1, 0), legacy otherwise. The memory stays valid until
+        the consumer releases the view, whatever is closed meanwhile. The consumer's ``stream``
+        is not synchronised with lowgrad's streams: order work through events before sharing."""
+        device = self._dl_device()
+        versioned = dlpack.check_request(device, max_version, dl_device, copy)
+        return dlpack.to_capsule(self, device, max_version if versioned else None)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._dl_device()
+
+    def _dl_device(self) -> tuple[int, int]:
+        if getattr(self.device, "backend", "") != "cuda":  # the host backend: all CPU memory
+            return (dlpack.KDL_CPU, 0)
+        if self.kind == "device":
+            return (dlpack.KDL_CUDA, self.device.ordinal)
+        if self.kind in ("pinned", "write_combined"):
+            return (dlpack.KDL_CUDA_HOST, 0)
+        return (dlpack.KDL_CPU, 0)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"0x{self._alloc._ptr or 0:x}+{self._offset}"
+        return f"Tensor({self.name!r}, {self.dtype.name}, shape={self.shape}, {self.kind}, {state})"
+
+
+def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
+    """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"shard_view needs a lowgrad Tensor, got {type(t).__name__}")
+    if type(world) is not int or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if type(rank) is not int or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r} outside [0, {world})")
+    if not t.shape:
+        raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")
+    if t.shape[0] % world:
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible by world {world}")
+    rows = t.shape[0] // world
+    return t[rank * rows:(rank + 1) * rows]
+
+
+class Container:
+    """An ordered, named collection of tensors (a layer's gradients); ``None`` slots are allowed
+    and skipped by iteration. Index by name or position."""
+
+    __slots__ = ("_names", "_tensors", "_index")
+
+    def __init__(self, items: list[tuple[str, Tensor | None]]) -> None:
+        self._names = tuple(n for n, _ in items)
+        self._tensors = tuple(t for _, t in items)
+        self._index = {n: i for i, n in enumerate(self._names)}
+        if len(self._index) != len(self._names):
+            raise ValueError("container names must be unique")
+
+    def __getitem__(self, key: str | int) -> Tensor | None:
+        if isinstance(key, str):
+            try:
+                return self._tensors[self._index[key]]
+            except KeyError:
+                raise KeyError(f"no tensor named {key!r}; have {list(self._names)}") from None
+        return self._tensors[key]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def names(self) -> tuple[str, ...]:
+        return self._names
+
+    def items(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, tensor) for every non-empty slot, in order."""
+        return ((n, t) for n, t in zip(self._names, self._tensors) if t is not None)
+
+    def tensors(self) -> Iterator[Tensor]:
+        return (t for t in self._tensors if t is not None)
+
+    def __repr__(self) -> str:
+        return f"Container({list(self._names)})"
+
+
+def from_numpy(array: np.ndarray, device: Any, kind: str = "device", name: str = "from_numpy") -> Tensor:
+    """A new tensor on ``device`` holding a copy of ``array`` (synchronous)."""
+    arr = np.ascontiguousarray(array)
+    t = device.alloc(arr.shape, as_dtype(arr.dtype), kind=kind, name=name)
+    device.copy_from_host(t, arr)
+    return t
+
+
+class LazyAllocator:
+    """Collects many tensors and commits them as one allocation (each aligned to 256 bytes).
+
+    ``alloc`` returns tensors at once; they raise on use until :meth:`commit`. The report lists
+    every tensor under its own name.
+    """
+
+    def __init__(self, device: Any, kind: str = "device") -> None:
+        self.device, self.kind = device, check_kind(kind)
+        self._parts: dict[str, int] = {}
+        self._allocation = Allocation(device, kind, 0, self._parts)
+        self._offset = 0
+        self._committed = False
+
+    def alloc(self, shape: Any, dtype: DType | str, name: str) -> Tensor:
+        """Reserve a tensor of ``shape``/``dtype`` named ``name`` in the pending block."""
+        if self._committed:
+            raise ValueError("LazyAllocator already committed; create a new one")
+        dt, shp = as_dtype(dtype), check_shape(shape)
+        t = Tensor(self._allocation, self._offset, dt, shp, name)
+        self._parts[name] = self._parts.get(name, 0) + t.nbytes
+        self._offset = align_up(self._offset + t.nbytes)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return self._offset
+
+    def commit(self) -> Allocation:
+        """Allocate the block for every reserved tensor; returns the allocation."""
+        if self._committed:
+            raise ValueError("LazyAllocator already committed")
+        self._committed = True
+        self._allocation.nbytes = self._offset
+        self.device._bind(self._allocation, self._offset)
+        return self._allocation

@@ -1,0 +1,273 @@
+"""The CUDA backend's kernels: modules loaded from NVRTC cubins, and a launch path that packs
+arguments into a buffer made once per kernel.
+
+The launch itself calls the driver's ``cuLaunchKernel`` through ctypes on the libcuda that
+cuda.bindings already loaded (:func:`lowgrad.cuda.driver.c_function`: no argument conversion per
+call); everything else goes through cuda.bindings.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from lowgrad.core import capture, trace
+from lowgrad.core.dtypes import DType
+from lowgrad.core.errors import ClosedError
+from lowgrad.core.tensor import Tensor
+from lowgrad.cuda import driver as _cuda
+from lowgrad.cuda.compiler import (
+    FILL_ZERO,
+    MULTI_CHUNK,
+    MULTI_MAX,
+    PHILOX_KAT,
+    SEED_COUNTER,
+    KernelSpec,
+    add_sr_multi_spec,
+    add_sr_spec,
+    compile_kernels,
+    norm_squared_specs,
+    reduce_sr_spec,
+)
+from lowgrad.sr.seedcounter import SeedSource
+
+ELEMS_PER_THREAD = 8  # one Philox call covers 8 consecutive elements
+GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
+NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
+
+_FMT = {ctypes.c_uint64: "Q", ctypes.c_int64: "q", ctypes.c_uint32: "I", ctypes.c_int32: "i",
+        ctypes.c_float: "f", ctypes.c_double: "d"}
+class Kernel:
+    """One ``extern "C"`` entry point with its argument buffer, packed in place per launch.
+
+    ``launch(grid, stream, *args)`` writes ``args`` into the buffer (one ``pack_into`` call) and
+    launches with the prebuilt pointer array; a lock keeps launches from different threads from
+    sharing the buffer mid-call (the driver copies the arguments during the call).
+    """
+
+    __slots__ = ("name", "func", "block", "_pack", "_buf", "_ptrs", "_params", "_lock", "_launch")
+
+    def __init__(self, spec: KernelSpec, func: Any) -> None:
+        self.name, self.func, self.block = spec.symbol, int(func), spec.block
+        fmt, off = "=", 0
+        offsets = []
+        for t in spec.args:
+            size = ctypes.sizeof(t)
+            pad = (-off) % size
+            fmt += "x" * pad + _FMT[t]
+            off += pad
+            offsets.append(off)
+            off += size
+        self._pack = struct.Struct(fmt).pack_into
+        self._buf = (ctypes.c_char * max(off + (-off) % 8, 8))()
+        base = ctypes.addressof(self._buf)
+        if spec.struct:  # one by-value struct parameter: a single pointer to the whole buffer
+            offsets = [0]
+        self._ptrs = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
+        self._params = ctypes.addressof(self._ptrs)
+        self._lock = threading.Lock()
+        v, u = ctypes.c_void_p, ctypes.c_uint
+        self._launch = _cuda.c_function("cuLaunchKernel", v, u, u, u, u, u, u, u, v, v, v)
+
+    def launch(self, grid: int, stream: int, *args: Any) -> None:
+        """Queue one launch of ``grid`` blocks on raw stream ``stream`` (asynchronous)."""
+        with self._lock:
+            self._pack(self._buf, 0, *args)
+            err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+        if err:
+            raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+        if trace.ENABLED:
+            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), args=args)
+
+    def pack(self, *args: Any) -> None:
+        """Fill the argument buffer once, for a kernel object that only :meth:`launch_packed`."""
+        with self._lock:
+            self._pack(self._buf, 0, *args)
+
+    def launch_packed(self, grid: int, stream: int) -> None:
+        """Launch with the arguments :meth:`pack` stored (never changed after, so no lock)."""
+        err = self._launch(self.func, grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+        if err:
+            raise _cuda.fail(f"cuLaunchKernel({self.name})", err)
+        if trace.ENABLED:
+            trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), packed=True)
+
+
+def _counter_args(counter: Any) -> tuple[int, tuple[Any, ...]]:
+    """The counter's device address (0: fixed seeds) and the allocation a bound launch must check."""
+    return (counter.tensor.ptr, (counter.tensor._alloc,)) if counter is not None else (0, ())
+
+
+def _check_open(allocs: tuple[Any, ...], name: str) -> None:
+    """A bound launch's guard: its tensors are open (and held by a graph being captured)."""
+    for a in allocs:
+        if a._ptr is None:
+            raise ClosedError(f"bound kernel on {name!r}: one of its tensors was closed")
+    if capture.active[0]:
+        capture.keep(allocs)
+
+
+class CudaKernels:
+    """Every lowgrad kernel on one device; modules load at construction, functions at first use.
+    Arguments arrive checked by :mod:`lowgrad.ops`."""
+
+    def __init__(self, device: Any) -> None:
+        drv = _cuda.driver()
+        device.activate()
+        self.device = device
+        self._modules = {name: _cuda.check("cuModuleLoadData", drv.cuModuleLoadData(cubin))
+                         for name, cubin in compile_kernels(device.arch).items()}
+        self._kernels: dict[Any, Kernel] = {}
+        self._workspaces: dict[tuple[int, DType], Tensor] = {}
+        self._resident: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.max_grid = device.sm_count * GRID_PER_SM
+
+    def kernel(self, spec: KernelSpec) -> Kernel:
+        """The cached :class:`Kernel` for ``spec``."""
+        k = self._kernels.get(spec.symbol)
+        if k is None:
+            with self._lock:
+                k = self._kernels.get(spec.symbol)
+                if k is None:
+                    func = _cuda.check(f"cuModuleGetFunction({spec.symbol})", _cuda.driver().cuModuleGetFunction(
+                        self._modules[spec.module], spec.symbol.encode()))
+                    k = self._kernels[spec.symbol] = Kernel(spec, func)
+        return k
+
+    def _by_dtypes(self, key: tuple[Any, ...]) -> Kernel:
+        k = self._kernels.get(key)
+        if k is None:
+            spec = add_sr_spec(*key[1:]) if key[0] == "add_sr" else reduce_sr_spec(*key[1:])
+            k = self._kernels[key] = self.kernel(spec)
+        return k
+
+    def grid(self, n: int) -> int:
+        """Blocks for ``n`` elements at 8 per thread and 256 per block, capped for the grid-stride loop."""
+        g = (n + 2047) >> 11
+        return g if g < self.max_grid else self.max_grid
+
+    def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
+               stream: int) -> None:
+        n = dst.numel
+        k = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
+        p, pa, pb = dst.ptr, a.ptr, b.ptr
+        if n:
+            k.launch(self.grid(n), stream, p, pa, pb, scale, seed, index_offset, n)
+
+    def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                  seed: int, index_offset: int, stream: int) -> None:
+        n = dst.numel
+        k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
+        p, ps = dst.ptr, src.ptr
+        if n:
+            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n,
+                     0, 0, 0)
+
+    def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
+                    ) -> Callable[[int, int], None]:
+        """``f(seed, stream)``: this add_sr with its pointers, grid and constants fixed."""
+        k, n = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype)), dst.numel
+        grid, p, pa, pb, launch = self.grid(n), dst.ptr, a.ptr, b.ptr, k.launch
+        allocs = (dst._alloc, a._alloc, b._alloc)
+
+        def run(seed: int, stream: int) -> None:
+            _check_open(allocs, dst.name)
+            if n:
+                launch(grid, stream, p, pa, pb, scale, seed, index_offset, n)
+        return run
+
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
+                          seeds: SeedSource, blocks: int | None = None) -> Callable[[int], None]:
+        """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
+        of ``a``'s dtype) in launches of up to MULTI_MAX tensors, everything packed here, once.
+        ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
+        read on the device when the kernel runs). The grid is the resident one (``blocks`` overrides it, for tuning)."""
+        spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
+        func = self.kernel(spec).func
+        counter, layer, cols_seed = seeds
+        counter_ptr, counter_alloc = _counter_args(counter)
+        grid_max = blocks or self.resident_blocks(func, spec.block)
+        chunks = []
+        for c in range(0, len(items), MULTI_MAX):
+            part = items[c:c + MULTI_MAX]
+            k, z = Kernel(spec, func), [0] * (MULTI_MAX - len(part))
+            first = [0]
+            for d, _, _, _ in part:
+                first.append(first[-1] + -(-d.numel // MULTI_CHUNK))
+            cols = [[t.ptr for t in column] + z for column in zip(*[item[:3] for item in part])]
+            k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
+                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter_ptr,
+                   layer)
+            if first[-1]:
+                chunks.append((k, min(first[-1], grid_max)))
+        allocs = tuple(dict.fromkeys([t._alloc for item in items for t in item[:3]])) + counter_alloc
+        name = items[0][0].name
+
+        def run(stream: int) -> None:
+            _check_open(allocs, name)
+            for k, grid in chunks:
+                k.launch_packed(grid, stream)
+        return run
+
+    def resident_blocks(self, func: int, block: int) -> int:
+        """Blocks of ``func`` that fit on the whole GPU at once (its occupancy x SMs)."""
+        n = self._resident.get(func)
+        if n is None:
+            drv = _cuda.driver()
+            per_sm = _cuda.check("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                                 drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(drv.CUfunction(func), block, 0))
+            n = self._resident[func] = max(1, int(per_sm)) * self.device.sm_count
+        return n
+
+    def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
+        """``f(stream)``: this reduce_sr packed once; ``seed``: ``(None, 0, [seed])`` or
+        ``(counter, layer, [lane])``."""
+        spec, n = reduce_sr_spec(dst.dtype, src.dtype), dst.numel
+        k = Kernel(spec, self.kernel(spec).func)
+        counter, layer, (s,) = seed
+        counter_ptr, counter_alloc = _counter_args(counter)
+        k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter_ptr, layer, s)
+        grid, allocs = self.grid(n), (dst._alloc, src._alloc) + counter_alloc
+
+        def run(stream: int) -> None:
+            _check_open(allocs, dst.name)
+            if n:
+                k.launch_packed(grid, stream)
+        return run
+
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
+        self.kernel(SEED_COUNTER).launch(1, stream, counter.ptr, op, base, step)
+
+    def fill_zero(self, dst: Tensor, stream: int) -> None:
+        if dst.nbytes:
+            self.kernel(FILL_ZERO).launch(self.grid(max(1, dst.nbytes // 2)), stream, dst.ptr, dst.nbytes)
+
+    def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
+        stage1, stage2 = (self.kernel(s) for s in norm_squared_specs(x.dtype, out.dtype))
+        ws = self._workspace(stream, out.dtype)
+        grid = min((x.numel + 2047) >> 11, NORM_PARTIALS)
+        if grid:
+            stage1.launch(grid, stream, x.ptr, x.numel, ws.ptr)
+        stage2.launch(1, stream, ws.ptr, grid, out.ptr, int(accumulate))
+
+    def _workspace(self, stream: int, dtype: DType) -> Tensor:
+        """Partial sums per stream handle (NORM_PARTIALS elements, 8 KiB at most), so norms on
+        different streams never share scratch memory; kept for the device's lifetime."""
+        key = (stream, dtype)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = self.device.alloc(NORM_PARTIALS, dtype, name="norm_workspace")
+        return ws
+
+    def philox(self, ctr: Tensor, key: Tensor, out: Tensor, stream: int = 0) -> None:
+        """Philox4x32-10 of ``ctr`` (n x 4 uint32) with ``key`` (n x 2 uint32) into ``out`` (n x 4)."""
+        n = out.nbytes // 16
+        if ctr.nbytes != 16 * n or key.nbytes != 8 * n or out.nbytes != 16 * n:
+            raise ValueError(f"philox: ctr ({ctr.nbytes} B), key ({key.nbytes} B) and out ({out.nbytes} B) "
+                             "must hold n x 16, n x 8 and n x 16 bytes")
+        if n:
+            self.kernel(PHILOX_KAT).launch(self.grid(n * 8), stream, ctr.ptr, key.ptr, out.ptr, n)
