@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "bootstrap": {"core", "sr", "cuda", "host"},
     "cli": {"core", "sr", "ops", "cuda", "host", "managers", "bootstrap", "cli"},
 }
-TOP = {"__init__", "__main__", "nccl", "reference"}  # the public front: may import anything
+TOP = {"__init__", "__main__"}  # the public front: may import anything
 
 
 def _modules() -> dict[str, Path]:

@@ -1,0 +1,1 @@
+"""The bottom layer, backend-neutral: errors, dtypes, memory and tensors, DLPack, the stream-argument rule, capture guards, deferred release, the backend contract, the collective base and the rendezvous. Imports nothing else of lowgrad."""
