@@ -7,11 +7,14 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0
+# a fresh state: the kernel cache starts empty, so the suite compiles every kernel itself
+export LOWGRAD_CACHE_DIR=${LOWGRAD_CACHE_DIR:-/tmp/lowgrad-session-cache}
+rm -rf "$LOWGRAD_CACHE_DIR"
 R=${OUT:-.}/run
 mkdir -p "$R/lm"
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"; }
 step doctor 120 python3 -m lowgrad doctor; cat "$R/doctor.log"
-step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider; tail -4 "$R/gpu_tests.log"
+step gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120; tail -4 "$R/gpu_tests.log"
 step bench_kernels 200 python3 tools/bench_kernels.py --json "$R/bench_kernels.json"; tail -32 "$R/bench_kernels.log"
 step bench_manager 200 python3 tools/bench_manager.py --json "$R/bench_manager.json"; tail -9 "$R/bench_manager.log"
 step bench_layer 150 python3 tools/bench_layer.py --json "$R/bench_layer.json"; tail -16 "$R/bench_layer.log"
