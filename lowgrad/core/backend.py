@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ from lowgrad.core.dtypes import DType, as_dtype
 from lowgrad.core.memory import (
     Allocation,
     MemoryReport,
+    RawBlock,
     Registry,
     check_kind,
     check_nbytes,
@@ -77,8 +77,7 @@ class DeviceBase(ABC):
         capture.forbid(f"allocating {', '.join(a.parts)!r}")
         release.drain()  # a safe point: free what finalizers queued before asking for more
         check_nbytes(nbytes, self.memory_limit(a.kind), f"allocation {', '.join(a.parts)!r}")
-        ptr, free, host = self._raw_alloc(a.kind, nbytes)
-        a.bind(ptr, free, host)
+        a.bind(self._raw_alloc(a.kind, nbytes))
 
     #: memory kinds this backend's kernels can read and write
     kernel_kinds: frozenset[str] = frozenset(("device", "pinned", "write_combined", "host"))
@@ -116,8 +115,8 @@ class DeviceBase(ABC):
         """The most bytes one allocation of ``kind`` may ask for."""
 
     @abstractmethod
-    def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Callable[[], None], np.ndarray | None]:
-        """(device-visible pointer, a free function, a uint8 host view or None)."""
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        """A new block of ``nbytes`` bytes of memory ``kind`` and who can address it."""
 
     @abstractmethod
     def _wrap_stream(self, handle: int) -> Any:

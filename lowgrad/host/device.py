@@ -10,7 +10,7 @@ import numpy as np
 
 from lowgrad.core import release
 from lowgrad.core.backend import DeviceBase
-from lowgrad.core.memory import aligned_host_buffer
+from lowgrad.core.memory import RawBlock, aligned_host_buffer
 from lowgrad.core.tensor import Tensor
 
 _HOST_LIMIT = 1 << 42
@@ -118,9 +118,10 @@ class HostDevice(DeviceBase):
     def memory_limit(self, kind: str) -> int:
         return _HOST_LIMIT
 
-    def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Any, np.ndarray | None]:
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        """Every kind is pageable CPU memory here: host-accessible only."""
         ptr, view = aligned_host_buffer(nbytes)
-        return ptr, _noop, view
+        return RawBlock(ptr, _noop, view, device_accessible=False)
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         d, s = dst.allocation.host_bytes(), src.allocation.host_bytes()
