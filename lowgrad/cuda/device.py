@@ -10,6 +10,7 @@ import numpy as np
 
 from lowgrad.core import capture, release
 from lowgrad.core.backend import DeviceBase
+from lowgrad.core.kernels import Kernels
 from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
@@ -147,7 +148,7 @@ class Device(DeviceBase):
         return Stream.wrap(self, handle)
 
     @property
-    def kernels(self) -> Any:
+    def kernels(self) -> Kernels:
         """This device's compiled kernels (compiled or loaded from the cache at first use)."""
         if self._kernels is None:
             capture.forbid("compiling and loading lowgrad's kernels (first kernel use on this device)")

@@ -289,12 +289,6 @@ class HostCommunicator(CommBase):
             t.numpy().reshape(-1)[:] = data.reshape(-1)
         self._run(run)
 
-    def all_to_all(self, t: Tensor, stream: StreamLike = None) -> None:
-        """The destructive all-to-all: slot k (numel/world elements) of ``t`` goes to rank k;
-        afterwards slot (rank+d-1)%world holds rank (rank-d)%world's slot ``rank`` and slot
-        ``all_to_all_skip()`` holds no peer data. The own slot must be consumed before."""
-        self.all_to_all_many((t,), stream)
-
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
         """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps."""
         ns = [self._a2a_args(t) for t in tensors]
@@ -326,16 +320,13 @@ class HostCommunicator(CommBase):
         self._check_open("wait")
 
     # ---- groups ------------------------------------------------------------------------
-    def group(self, stream: StreamLike = None, event: Any = None) -> Group:
-        """A grouped transaction (see :class:`~lowgrad.core.collective.Group`); on the host the calls
-        run at exit, sends first, and ``event`` (or the one passed in) is complete."""
-        return Group(self, self.device.resolve_stream(stream), event or self.device.event())
-
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)
         self._queue = []
 
     def _group_end(self, g: Group, failed: bool) -> None:
+        """The host runs a group's calls here, sends first (so the paired receives find them);
+        the group's event is then already complete."""
         queue, self._queue, self._group, self._group_depth = self._queue, [], None, 0
         if failed:
             if g.scheduled:
