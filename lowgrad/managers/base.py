@@ -1,8 +1,9 @@
-"""What every gradient manager shares: the micro-step protocol and its misuse checks, per-use
-seeds, the streams and events between the engine and the manager, non-block gradients, the
-global norm and the saved state.
+"""What every gradient manager shares: the micro-step protocol (its state machine:
+:mod:`lowgrad.managers.protocol`), per-use seeds, the streams and events between the engine and
+the manager, the global norm and the saved state (:mod:`lowgrad.managers.state`). The non-block
+gradients are :mod:`lowgrad.managers.nonblock`; graph captures :mod:`lowgrad.managers.replay`.
 
-Protocol (the state machine: :mod:`lowgrad.managers.protocol`), per micro-batch::
+Protocol (``docs/protocol.md``), per micro-batch::
 
     gm.start_micro_step(stream, micro_step, total_micro_steps)
     t, accumulate = gm.non_block_full(name, stream); ...; gm.notify_non_block(name, stream)
@@ -38,22 +39,23 @@ from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
 from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.managers.nonblock import NonBlockGradients
 from lowgrad.managers.protocol import (
     MicroStepState,
     check_step,
     check_step_room,
     integer,
 )
-from lowgrad.managers.replay import Recording, Replayable
+from lowgrad.managers.replay import Recording
 from lowgrad.managers.state import ManagerState
 from lowgrad.sr.seedcounter import SeedCounter
 
 GRAD_DTYPES = (bf16, fp32)
 
 
-class GradientManager(Replayable, ABC):
+class GradientManager(NonBlockGradients, ABC):
     """Base of the managers; subclasses implement the block half (``_alloc_blocks``,
-    ``block_full``, ``_exchange_block``, ``block_shard``)."""
+    ``block_full``, ``_exchange_block``, ``block_shard``, ``_block_shards``, ``_owned``)."""
 
     strategy = ""
 
@@ -96,14 +98,6 @@ class GradientManager(Replayable, ABC):
         return min(self.device.stream_priority_range)
 
     # ---- allocation ----------------------------------------------------------------------
-    def _alloc_non_block(self) -> None:
-        lazy = self.device.lazy_allocator("device")
-        self._nb_full = {s.name: lazy.alloc(s.shape, self.dtype, "non_block_grad") for s in self.layout.non_block}
-        self._nb_list = list(self._nb_full.values())  # layout order: the order every rank reduces them in
-        self._nb_spec = {s.name: s for s in self.layout.non_block}
-        if self._nb_full:
-            lazy.commit()
-
     @abstractmethod
     def _alloc_blocks(self) -> None:
         """Allocate the block gradients (full buffers, shards) and their events."""
@@ -196,42 +190,6 @@ class GradientManager(Replayable, ABC):
         if last:
             self.step += 1
 
-    # ---- non-block parameters (full on every rank, reduce-scattered on the last micro-step)
-    def non_block_full(self, name: str, stream: StreamLike) -> tuple[Tensor, bool]:
-        """The full gradient of non-block parameter ``name`` and whether to add into it.
-
-        ``zero_init`` parameters are zeroed on ``stream`` at their first fetch of a step and are
-        always added into. Fetching again within a step returns ``accumulate=True``.
-        """
-        self._check_in_micro(f"non_block_full({name!r})")
-        t = self._nb(name)
-        rec = self._recording
-        first = self._protocol.fetch_non_block(name, rec is not None and rec.template.assume_touched)
-        if first:
-            self._wait(self._nb_done, stream)  # the previous step's reduce-scatter is done with it
-        if first and self._nb_spec[name].zero_init:
-            ops.fill_zero(t, stream)
-        return t, (not first) or self._nb_spec[name].zero_init
-
-    def notify_non_block(self, name: str, stream: StreamLike) -> None:
-        """The engine finished writing non-block gradient ``name`` on ``stream``."""
-        self._check_in_micro(f"notify_non_block({name!r})")
-        self._nb(name)
-        self._protocol.notify_non_block(name)
-
-    def _finish_non_block(self, stream: StreamLike) -> None:
-        """Reduce-scatter every non-block gradient in layout order, whichever this rank produced:
-        every rank issues the same collectives. One this rank never fetched in the step (so
-        nothing was written into it since the previous step's reduce-scatter) is zeroed first and
-        contributes zeros to the mean."""
-        self._join(stream)
-        for name, t in self._nb_full.items():
-            if name not in self._protocol.nb_touched:
-                ops.fill_zero(t, self.comm_stream)
-        if self.world > 1:  # world 1: the mean is the gradient
-            self.reduce_scatter_all(self._nb_list)
-        self._record(self._nb_done, self.comm_stream)
-
     def reduce_scatter_all(self, tensors: list[Tensor]) -> None:
         """In-place average reduce-scatter of every tensor, as one NCCL group on the
         communication stream (one launch for a layer instead of one per tensor)."""
@@ -239,21 +197,6 @@ class GradientManager(Replayable, ABC):
             with self.comm.group(self.comm_stream, event=self._group_done):
                 for t in tensors:
                     self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
-
-    def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
-        """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on
-        ``stream`` (which waits for the reduce-scatter). Valid between steps, after a completed
-        step (ProtocolError otherwise); zeros where no rank produced it in the step."""
-        self._check_readable(f"non_block_shard({name!r})")
-        t = self._nb(name)
-        self._wait(self._nb_done, stream)
-        return shard_view(t, self.rank, self.world)
-
-    def _nb(self, name: str) -> Tensor:
-        try:
-            return self._nb_full[name]
-        except KeyError:
-            raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
 
     def _check_between_steps(self, what: str) -> None:
         self._check_open(what)
