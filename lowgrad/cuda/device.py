@@ -157,7 +157,8 @@ class Device(DeviceBase):
         return self._kernels
 
     # ---- memory ------------------------------------------------------------------------
-    kernel_kinds = frozenset(("device", "pinned", "write_combined"))  # pageable host memory is not mapped
+    #: the device-accessible kinds (pageable host memory is not mapped)
+    kernel_kinds = frozenset(kind for kind, (on_device, _) in KIND_ACCESS.items() if on_device)
 
     def memory_limit(self, kind: str) -> int:
         return self.total_memory if kind == "device" else _HOST_LIMIT
