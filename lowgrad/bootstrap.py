@@ -91,7 +91,8 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
 
 
 def _host_factory(world: int, timeout: float) -> Callable[[int, threading.Event], CommBase]:
-    from lowgrad.host.communicator import HostCollective, HostCommunicator
+    from lowgrad.host.collective import HostCollective
+    from lowgrad.host.communicator import HostCommunicator
     from lowgrad.host.device import HostDevice
 
     collective = HostCollective(world, timeout)

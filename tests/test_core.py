@@ -166,7 +166,7 @@ def test_stream_arguments() -> None:
 
 def test_host_events_and_streams() -> None:
     h = lg.HostDevice()
-    s = h.stream(priority=-1)
+    s = h.stream(priority=0)
     e0, e1 = h.event(timing=True), h.event(timing=True)
     e0.record(s)
     e1.record(s)

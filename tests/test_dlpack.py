@@ -9,7 +9,7 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.core import dlpack, release
-from lowgrad.host.communicator import HostCollective
+from lowgrad.host.collective import HostCollective
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.core import dlpack, release
-from lowgrad.host.communicator import HostCollective
+from lowgrad.host.collective import HostCollective
 
 LAYOUT = lg.Layout(block=[lg.ParamSpec("w", (8, 4)), lg.ParamSpec("b", (8,))],
                    non_block=[lg.ParamSpec("emb", (6, 4))], num_layers=2)

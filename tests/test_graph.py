@@ -3,6 +3,7 @@ argument checks, and the gradient manager's template/replay state machine driven
 backend by a stand-in graph (the CUDA run is tests/test_graph_gpu.py)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -93,24 +94,24 @@ def run_templates(comm: Any, layout: lg.Layout, strategy: str, holder: list[Any]
         holder[0] = None
         assert g.participants == [gm] and g.kept
         tpl[m] = gm.capture_ended(g, False)
-        assert (gm.step, gm._micro, gm._in_micro) == (0, -1, False)  # nothing happened
+        assert (gm.step, gm._protocol.micro, gm._protocol.in_micro) == (0, -1, False)  # nothing happened
     with pytest.raises(ProtocolError, match="cannot replay as micro-step 0"):
         gm.replay_check(tpl[1])
     for m, kind in enumerate((0, 1, 1, M - 1)):
         state = gm.replay_check(tpl[kind])
         gm.replay_done(state, 0)
-        assert gm._micro == (m if m < M - 1 else -1)
+        assert gm._protocol.micro == (m if m < M - 1 else -1)
     assert gm.step == 1
     # a template starting mid-step assumes what the step produced before it
     gm.replay_done(gm.replay_check(tpl[0]), 0)
-    gm._nb_touched = {"emb"}  # as if micro-step 0 had produced only emb
+    gm._protocol.nb_touched = {"emb"}  # as if micro-step 0 had produced only emb
     with pytest.raises(ProtocolError, match="assumes non-block gradients"):
         gm.replay_check(tpl[1])
-    gm._nb_touched = {"emb", "norm"}
+    gm._protocol.nb_touched = {"emb", "norm"}
     gm.replay_done(gm.replay_check(tpl[1]), 0)
     step(gm, layout, 2, 4)  # eager work continues the step
     with pytest.raises(ProtocolError, match="steps of 5 micro-steps, but this step has 4"):
-        gm.replay_check({**tpl[1], "total": 5})
+        gm.replay_check(dataclasses.replace(tpl[1], total=5))
     step(gm, layout, 3, 4)
     assert gm.step == 2
     # partial micro-steps and eager work in progress are refused
@@ -119,7 +120,7 @@ def run_templates(comm: Any, layout: lg.Layout, strategy: str, holder: list[Any]
     holder[0] = None
     with pytest.raises(ProtocolError, match="inside a micro-step"):
         gm.capture_ended(g, False)
-    assert (gm._micro, gm._in_micro, gm.step) == (-1, False, 2)
+    assert (gm._protocol.micro, gm._protocol.in_micro, gm.step) == (-1, False, 2)
     gm.start_micro_step(None, 0, 2)
     with pytest.raises(ProtocolError, match="in progress"):
         gm.replay_check(tpl[0])
@@ -156,7 +157,7 @@ def test_seed_counter_tracks_the_protocol_on_the_host() -> None:
     def job(comm: Any) -> list[tuple[int, int, int]]:
         gm = lg.create_gradient_manager(layout, comm, strategy="all_to_all", seed=9, step=4)
         seen = []
-        read = lambda: tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist())  # noqa: E731
+        read = lambda: tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist())
         for m in range(3):
             gm.start_micro_step(None, m, 3)
             seen.append(read())

@@ -167,7 +167,7 @@ def test_capture_refuses_host_syncs_allocations_and_restores_the_manager() -> No
                     dw, _ = gm.block_full(layout.num_layers - 1, s)
                     call()
             assert not g.captured
-            assert (gm.step, gm._micro, gm._in_micro) == (0, 0, False)
+            assert (gm.step, gm._protocol.micro, gm._protocol.in_micro) == (0, 0, False)
         g = lg.Graph(dev)
         with pytest.raises(ProtocolError, match="inside a micro-step"):
             with g.capture(s):

@@ -16,7 +16,8 @@ from lowgrad.core.collective import (
     all_to_all_skip,
     all_to_all_source,
 )
-from lowgrad.host.communicator import HostCollective, HostCommunicator, host_reduce
+from lowgrad.host.collective import HostCollective, host_reduce
+from lowgrad.host.communicator import HostCommunicator
 
 WORLDS = [1, 2, 3, 4, 8]
 

@@ -1,7 +1,8 @@
 """Gradient managers on the GPU at world 1: every strategy's shards equal the host backend's bit
 for bit (noise is launch-independent), offload works against pinned memory, and the memory report
-matches DESIGN.md's formula. Protocol cases on the CUDA path: non-block gradients produced by some
-ranks only (at every GPU of the machine, up to 4), reads before a completed step, the last step."""
+matches the sharded strategies' memory formula. Protocol cases on the CUDA path: non-block
+gradients produced by some ranks only (at every GPU of the machine, up to 4), reads before a
+completed step, the last step."""
 from __future__ import annotations
 
 from typing import Any

@@ -207,7 +207,7 @@ def test_step_counter_never_wraps() -> None:
     state = gm.state_dict()
     with pytest.raises(OverflowError, match="past the 32-bit step counter"):
         gm.start_micro_step(None, 0, 2)
-    assert (gm._in_micro, gm._micro, gm.step, counter(gm)) == (False, -1, LAST_STEP, (3, LAST_STEP, 0))
+    assert (gm._protocol.in_micro, gm._protocol.micro, gm.step, counter(gm)) == (False, -1, LAST_STEP, (3, LAST_STEP, 0))
     gm.block_shard(0, None)  # the completed step is still readable
     fresh = lg.create_gradient_manager(layout, host_comm(), strategy="all_to_all")
     fresh.load_state_dict(state)
@@ -254,7 +254,7 @@ def test_non_integer_arguments_raise_type_error_before_any_change() -> None:
     for args in ((0.0, 2), (False, 2), (0, 2.0), (0, True), ("0", 2)):
         with pytest.raises(TypeError, match=r"micro_step|total_micro_steps"):
             gm.start_micro_step(None, *args)
-        assert (gm._in_micro, gm._micro, counter(gm)) == (False, -1, (0, 4, 0))
+        assert (gm._protocol.in_micro, gm._protocol.micro, counter(gm)) == (False, -1, (0, 4, 0))
     gm.start_micro_step(None, np.int32(0), np.int64(1))
     with pytest.raises(TypeError, match="layer"):
         gm.block_full(True, None)
@@ -318,7 +318,7 @@ def test_closed_manager_raises_closed_error_first_and_changes_nothing(strategy: 
     for name, call in calls.items():
         with pytest.raises(lg.ClosedError, match="after close"):
             call()
-        assert (gm._in_micro, gm._micro, gm.step, gm._complete) == (False, -1, 1, True), name
+        assert (gm._protocol.in_micro, gm._protocol.micro, gm.step, gm._protocol.complete) == (False, -1, 1, True), name
 
 
 def test_closed_mid_step_refuses_the_rest_of_the_step() -> None:
@@ -329,4 +329,4 @@ def test_closed_mid_step_refuses_the_rest_of_the_step() -> None:
     for call in (lambda: gm.notify_block(2, None), lambda: gm.end_micro_step(None)):
         with pytest.raises(lg.ClosedError):
             call()
-    assert (gm._in_micro, gm._fetched, gm.step) == (True, 2, 0)
+    assert (gm._protocol.in_micro, gm._protocol.fetched, gm.step) == (True, 2, 0)

@@ -1,20 +1,32 @@
-"""What the CUDA and host backends share: allocation bookkeeping, the memory report and
-stream resolution. Each backend supplies raw allocation, copies, streams, events and kernels.
+"""The device contract both backends implement (CUDA: :class:`lowgrad.cuda.device.Device`; host:
+:class:`lowgrad.host.device.HostDevice`), and what they share: allocation bookkeeping, the memory
+report, stream resolution and copies.
+
+A backend supplies the abstract methods of :class:`DeviceBase` (raw allocation, copies, streams,
+events, kernels, capture lookup, priorities); its streams and events satisfy :class:`Stream`
+and :class:`Event`. Managers and ops are written against these only: they never ask which
+backend they run on. Who may address an allocation (GPU, CPU) is reported per allocation by the
+backend (:class:`~lowgrad.core.memory.RawBlock`), and decides DLPack and the CUDA array
+interface.
+
+Units: sizes in bytes, shapes in elements, stream priorities as CUDA numbers (lower is more
+urgent). Every ``stream=`` argument takes what :func:`~lowgrad.core.streams.stream_handle` takes.
 """
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from lowgrad.core import capture, release, trace
 from lowgrad.core.dtypes import DType, as_dtype
+from lowgrad.core.kernels import Kernels
 from lowgrad.core.memory import (
     Allocation,
     MemoryReport,
+    RawBlock,
     Registry,
     check_kind,
     check_nbytes,
@@ -23,21 +35,82 @@ from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import LazyAllocator, Tensor, check_shape
 
 
-class DeviceBase(ABC):
-    """The backend interface that managers are written against.
+@runtime_checkable
+class Event(Protocol):
+    """An event of either backend: a marker in a stream's work."""
 
-    Subclasses also provide ``stream()``, ``event()``, ``synchronize()`` and ``kernels`` (the
-    backend's implementation of :mod:`lowgrad.ops`).
+    device: Any
+    name: str  # a label for traces
+    timing: bool  # created with timing=True: elapsed_ms works
+
+    def record(self, stream: StreamLike = None) -> Event:
+        """Mark the work queued on ``stream`` so far (asynchronous); returns self."""
+
+    def wait(self, stream: StreamLike = None) -> None:
+        """Make ``stream``'s later work wait for the recorded work (no host sync)."""
+
+    def query(self) -> bool:
+        """Whether the recorded work has finished (never blocks)."""
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded work has finished."""
+
+    def elapsed_ms(self, end: Any) -> float:
+        """Milliseconds between this record and ``end``'s (both timing events)."""
+
+    def close(self) -> None:
+        """Release the event (idempotent)."""
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """A stream of either backend: ``handle`` is the raw handle every ``stream=`` accepts;
+    ``priority`` a CUDA priority within the device's :attr:`DeviceBase.stream_priority_range`."""
+
+    device: Any
+    handle: int
+    priority: int
+
+    def synchronize(self) -> None:
+        """Block the host until the stream's queued work has finished; a safe point."""
+
+    def query(self) -> bool:
+        """Whether the stream's queued work has finished (never blocks)."""
+
+    def wait(self, event: Any) -> None:
+        """Make the stream's later work wait for ``event`` (no host sync)."""
+
+    def close(self) -> None:
+        """Release the stream (idempotent; a wrapped foreign handle is never destroyed)."""
+
+
+def check_priority(device: DeviceBase, priority: Any) -> int:
+    """``priority`` as a stream priority of ``device``: an int within its range (TypeError,
+    ValueError otherwise)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"stream priority must be an int, got {type(priority).__name__} {priority!r}")
+    lo, hi = device.stream_priority_range
+    if not min(lo, hi) <= priority <= max(lo, hi):
+        raise ValueError(f"stream priority {priority} outside the device's range [{hi}, {lo}]")
+    return priority
+
+
+class DeviceBase(ABC):
+    """The device contract managers and ops are written against; one object per device.
+
+    Attributes: ``backend`` ("cuda" | "host", for people and traces, never for dispatch);
+    ``ordinal`` (the GPU ordinal, None on the host); ``registry`` (live bytes per name and
+    kind); ``kernel_kinds`` (the memory kinds its kernels may touch); ``stream_type`` and
+    ``default_stream`` (the stream ``stream=None`` means).
     """
 
     backend: str = ""
     ordinal: int | None = None
-    kernels: Any
 
     def __init__(self) -> None:
         self.registry = Registry()
 
-    # ---- context, streams and capture ---------------------------------------------------
+    # ---- context, streams, events and capture -------------------------------------------
     @abstractmethod
     def activate(self) -> None:
         """Make this device current on the calling thread (CUDA: its primary context)."""
@@ -47,16 +120,32 @@ class DeviceBase(ABC):
         """Block the host until all work queued on this device has finished; a safe point that
         runs deferred releases."""
 
+    @abstractmethod
+    def stream(self, priority: int = 0) -> Stream:
+        """A new stream (:class:`Stream`) of ``priority`` (:func:`check_priority`)."""
+
+    @abstractmethod
+    def event(self, timing: bool = False, name: str = "") -> Event:
+        """A new event (:class:`Event`); ``timing=True`` allows ``elapsed_ms``; ``name`` labels it
+        in traces."""
+
     @property
+    @abstractmethod
     def stream_priority_range(self) -> tuple[int, int]:
         """(least, greatest) stream priority, CUDA's convention: numerically lower is more
-        urgent. A backend without priorities gives (0, 0)."""
-        return (0, 0)
+        urgent; (0, 0) where streams have one priority."""
 
+    @abstractmethod
     def capture_of(self, stream: StreamLike) -> Any:
-        """The :class:`lowgrad.Graph` capturing ``stream`` on this thread, or None. A backend
-        without graphs gives None."""
-        return None
+        """The :class:`lowgrad.Graph` capturing ``stream`` on this thread, or None when nothing
+        captures it; :class:`~lowgrad.core.errors.CaptureError` when something a manager cannot
+        follow captures it."""
+
+    @property
+    @abstractmethod
+    def kernels(self) -> Kernels:
+        """The backend's kernel table (:class:`~lowgrad.core.kernels.Kernels`), the
+        implementation behind :mod:`lowgrad.ops`; built at first use."""
 
     # ---- memory ------------------------------------------------------------------------
     def alloc(self, shape: Any, dtype: DType | str, kind: str = "device", name: str = "tensor") -> Tensor:
@@ -77,8 +166,7 @@ class DeviceBase(ABC):
         capture.forbid(f"allocating {', '.join(a.parts)!r}")
         release.drain()  # a safe point: free what finalizers queued before asking for more
         check_nbytes(nbytes, self.memory_limit(a.kind), f"allocation {', '.join(a.parts)!r}")
-        ptr, free, host = self._raw_alloc(a.kind, nbytes)
-        a.bind(ptr, free, host)
+        a.bind(self._raw_alloc(a.kind, nbytes))
 
     #: memory kinds this backend's kernels can read and write
     kernel_kinds: frozenset[str] = frozenset(("device", "pinned", "write_combined", "host"))
@@ -113,27 +201,30 @@ class DeviceBase(ABC):
 
     @abstractmethod
     def memory_limit(self, kind: str) -> int:
-        """The most bytes one allocation of ``kind`` may ask for."""
+        """The most bytes one allocation of ``kind`` may ask for (checked before allocating)."""
 
     @abstractmethod
-    def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Callable[[], None], np.ndarray | None]:
-        """(device-visible pointer, a free function, a uint8 host view or None)."""
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        """A new block of ``nbytes`` bytes of memory ``kind`` and who can address it."""
 
     @abstractmethod
-    def _wrap_stream(self, handle: int) -> Any:
+    def _wrap_stream(self, handle: int) -> Stream:
         """A non-owning stream object for a raw handle."""
 
     @abstractmethod
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
-        """Queue the copy of ``src`` into ``dst`` on raw stream ``stream``."""
+        """Queue the copy of ``src`` into ``dst`` (``dst.nbytes`` bytes, checked) on raw stream
+        ``stream``."""
 
     @abstractmethod
     def copy_to_host(self, out: np.ndarray, src: Tensor) -> None:
-        """Synchronous copy of ``src`` into the numpy array ``out``."""
+        """Synchronous copy of ``src`` into the contiguous numpy array ``out`` (same bytes); a
+        host sync."""
 
     @abstractmethod
     def copy_from_host(self, dst: Tensor, arr: np.ndarray) -> None:
-        """Synchronous copy of the numpy array ``arr`` into ``dst``."""
+        """Synchronous copy of the contiguous numpy array ``arr`` (same bytes) into ``dst``; a
+        host sync."""
 
 
 def check_copy(device: DeviceBase, dst: Tensor, src: Tensor) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import lru_cache
 from numbers import Real
 from typing import Any
 
 from lowgrad.core.errors import ClosedError, CommAbortedError
+from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
 
 # reduction op name -> ncclRedOp_t (the host backend uses the same names)
@@ -103,12 +105,18 @@ def all_to_all_source(rank: int, world: int, slot: int) -> int:
 
 
 class CommBase(ABC):
-    """The communicator interface both backends implement (NCCL: :class:`lowgrad.Communicator`;
+    """The communicator contract both backends implement (NCCL: :class:`lowgrad.Communicator`;
     host: :class:`lowgrad.HostCommunicator`).
 
-    ``rank``, ``world``, ``device``, ``timeout`` (seconds; ``inf``: no limit). Tensors passed to the collectives
-    must live on ``device``; ``stream=None`` means the device's default stream (inside
-    :meth:`group`, the group's stream).
+    ``rank`` of ``world`` on ``device``; ``timeout``: seconds (``inf``: no limit) that bound every
+    blocking call. Tensors passed to the collectives live on ``device`` in memory the backend
+    can communicate, and every rank makes the same calls with the same dtypes and element
+    counts in the same order. Collectives are asynchronous: they queue work on ``stream``
+    (``None``: the device's default stream; inside :meth:`group`, the group's stream) and
+    return; the host backend completes them before returning. Every argument is checked before
+    anything is queued (ValueError/TypeError; the communicator stays usable); after
+    :meth:`abort` every call raises :class:`~lowgrad.core.errors.CommAbortedError`, after
+    :meth:`close` :class:`~lowgrad.core.errors.ClosedError`.
     """
 
     rank: int
@@ -202,6 +210,70 @@ class CommBase(ABC):
             raise TypeError(f"{call}: data must be bytes, got {type(data).__name__}")
         return bytes(data)
 
+    # ---- the collectives each backend implements -----------------------------------------
+    @abstractmethod
+    def reduce_scatter(self, t: Tensor, op: str = "avg", stream: StreamLike = None) -> None:
+        """In place: ``t`` is the full buffer (numel divisible by ``world``) on every rank;
+        afterwards ``shard_view(t, rank, world)`` (flat elements ``[rank*n, (rank+1)*n)``,
+        n = numel/world) holds the ``avg`` or ``sum`` over ranks; the rest of ``t`` is unspecified."""
+
+    @abstractmethod
+    def all_gather(self, t: Tensor, out: Tensor | None = None, stream: StreamLike = None) -> None:
+        """In place (``out`` None: ``t`` full, the own shard already at ``shard_view(t, rank,
+        world)``) or from shard ``t`` into ``out`` (``world * t.numel`` elements, same dtype, rank
+        order)."""
+
+    @abstractmethod
+    def all_reduce(self, t: Tensor, op: str = "sum", stream: StreamLike = None) -> None:
+        """In place: every rank's ``t`` becomes the ``sum``, ``avg`` or ``max`` over ranks."""
+
+    @abstractmethod
+    def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
+        """Send ``t`` to rank ``peer``, paired with the peer's :meth:`recv` of the same dtype and
+        size (inside :meth:`group` when both sides also receive)."""
+
+    @abstractmethod
+    def recv(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
+        """Receive ``t.numel`` elements from rank ``peer`` into ``t``."""
+
+    def all_to_all(self, t: Tensor, stream: StreamLike = None) -> None:
+        """The destructive all-to-all: slot k (numel/world elements) of ``t`` goes to rank k;
+        afterwards slot (rank+d-1)%world holds rank (rank-d)%world's slot ``rank`` and slot
+        :meth:`all_to_all_skip` holds no peer data. The own slot must be consumed before.
+        ``world - 1`` send/recv steps in order on ``stream`` (:func:`all_to_all_schedule`); not
+        allowed inside :meth:`group`."""
+        self.all_to_all_many((t,), stream)
+
+    @abstractmethod
+    def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
+        """:meth:`all_to_all` of several buffers (a layer's gradients) in the same ``world - 1``
+        steps, each step moving every buffer's slot."""
+
+    def group(self, stream: StreamLike = None, event: Any = None) -> Group:
+        """A grouped transaction on ``stream``: ``with comm.group(s) as g: comm.send(..);
+        comm.recv(..)`` launches the calls together at exit, then records ``g.event`` on ``s``
+        (``event``: reuse this event instead of creating one, for hot paths). See :class:`Group`."""
+        return Group(self, self.device.resolve_stream(stream), event or self.device.event())
+
+    @abstractmethod
+    def _group_begin(self, g: Group) -> None:
+        """Open ``g`` (:meth:`_group_open` and the backend's start of a transaction)."""
+
+    @abstractmethod
+    def _group_end(self, g: Group, failed: bool) -> None:
+        """Close ``g``: run what was scheduled and record ``g.event`` on ``g.stream``; when the
+        block ``failed`` after scheduling something, abort."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Block until every rank has called barrier (bounded by ``timeout``)."""
+
+    @abstractmethod
+    def wait(self, what: Any = None, timeout: float | None = None) -> None:
+        """Block until ``what`` (an event, a stream, a raw stream handle; None: the default
+        stream) has completed, watching for communication errors: an asynchronous error or
+        ``timeout`` seconds (default: the communicator's) abort the communicator and raise."""
+
     # ---- written once on the backend primitives ----------------------------------------
     def all_to_all_skip(self) -> int:
         """This rank's slot without a peer contribution after :meth:`all_to_all`."""
@@ -219,11 +291,13 @@ class CommBase(ABC):
 
     @abstractmethod
     def abort(self) -> None:
-        """Abort: pending and later calls raise CommAbortedError; peers are woken."""
+        """Abort (from any thread; idempotent): outstanding work stops, pending and later calls
+        raise CommAbortedError; peers blocked on this rank are woken where the backend can."""
 
     @abstractmethod
     def close(self) -> None:
-        """Release the communicator (idempotent)."""
+        """Release the communicator after its queued work (idempotent); later calls raise
+        ClosedError."""
 
     def __enter__(self) -> CommBase:
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,7 +19,12 @@ from lowgrad.core import release
 from lowgrad.core.errors import ClosedError
 
 KINDS = ("device", "pinned", "write_combined", "host")
-HOST_VISIBLE = frozenset(("pinned", "write_combined", "host"))
+#: who can address each kind on a GPU backend: kind -> (device-accessible, host-accessible).
+#: device: GPU only; pinned and write-combined: both (mapped, one address under unified
+#: addressing); host: pageable CPU memory, CPU only. A backend reports what its allocation
+#: really is (:class:`RawBlock`): on the host backend every kind is CPU memory.
+KIND_ACCESS: dict[str, tuple[bool, bool]] = {
+    "device": (True, False), "pinned": (True, True), "write_combined": (True, True), "host": (False, True)}
 ALIGN = 256  # bytes; every tensor of a lazy commit starts on this boundary
 MAX_BYTES = 1 << 48  # anything above is a mistake, not a request
 
@@ -100,6 +105,18 @@ class MemoryReport:
         return "\n".join(rows)
 
 
+class RawBlock(NamedTuple):
+    """What a backend's raw allocation returns: ``ptr`` (the address kernels and copies use),
+    ``free`` (releases the block, exactly once), ``host`` (a writable uint8 numpy view when the
+    CPU can address the block, else None) and ``device_accessible`` (the GPU's kernels can
+    address it)."""
+
+    ptr: int
+    free: Callable[[], None]
+    host: np.ndarray | None
+    device_accessible: bool
+
+
 class Memory:
     """The raw block behind an :class:`Allocation`: it lives while the allocation is open or an
     exported view (DLPack capsule, :meth:`Allocation.host_bytes` array) refers to it. When the
@@ -125,25 +142,35 @@ class Allocation:
     mapped device pointer, equal to the host address under unified addressing).
 
     ``parts`` maps tensor names to the bytes they occupy, for the report. A lazy allocation has
-    ``ptr is None`` until :meth:`LazyAllocator.commit`.
+    ``ptr is None`` until :meth:`LazyAllocator.commit`. ``device_accessible`` and
+    ``host_accessible`` say who can address the block, as the backend reported it at binding
+    (both False before); they decide DLPack's device type and the CUDA array interface.
     """
 
-    __slots__ = ("device", "kind", "nbytes", "parts", "_ptr", "_host", "_mem", "_bound", "__weakref__")
+    __slots__ = ("device", "kind", "nbytes", "parts", "device_accessible", "host_accessible", "_ptr", "_host",
+                 "_mem", "_bound", "__weakref__")
 
     def __init__(self, device: Any, kind: str, nbytes: int, parts: dict[str, int]) -> None:
         self.device, self.kind, self.nbytes, self.parts = device, kind, nbytes, parts
+        self.device_accessible = self.host_accessible = False
         self._ptr: int | None = None
         self._host: np.ndarray | None = None
         self._mem: Memory | None = None
         self._bound = False
 
-    def bind(self, ptr: int, free: Callable[[], None], host: np.ndarray | None) -> None:
-        """Attach the raw block; ``free`` releases it exactly once, after :meth:`close` (or
+    def bind(self, block: RawBlock) -> None:
+        """Attach the raw block; its ``free`` releases it exactly once, after :meth:`close` (or
         collection) and the release of every exported view."""
-        mem = Memory(ptr, self.nbytes, host)
-        mem._release = release.Finalizer(mem, _release, free, self.device.registry, self.parts, self.kind)
-        self._mem, self._ptr, self._host, self._bound = mem, ptr, host, True
+        mem = Memory(block.ptr, self.nbytes, block.host)
+        mem._release = release.Finalizer(mem, _release, block.free, self.device.registry, self.parts, self.kind)
+        self._mem, self._ptr, self._host, self._bound = mem, block.ptr, block.host, True
+        self.device_accessible, self.host_accessible = block.device_accessible, block.host is not None
         self.device.registry.add(self.parts, self.kind, +1)
+
+    @property
+    def bound(self) -> bool:
+        """The raw block was attached (a lazy allocation: after its commit), even if closed since."""
+        return self._bound
 
     @property
     def ptr(self) -> int:

@@ -1,8 +1,11 @@
 """Tensors: typed, shaped, contiguous views of an :class:`~lowgrad.core.memory.Allocation`, and
 named containers of them.
 
-Device tensors expose ``__cuda_array_interface__`` (v3) and DLPack; host-visible tensors
-(host, pinned, write-combined) give a writable numpy view through :meth:`Tensor.numpy`.
+What a tensor exports follows who can address its memory, as the backend reported it
+(:attr:`Allocation.device_accessible`, :attr:`Allocation.host_accessible`), never the backend's
+name: GPU-addressable memory has ``__cuda_array_interface__`` (v3); DLPack names GPU-only memory
+``kDLCUDA``, memory both sides address (mapped pinned) ``kDLCUDAHost`` and CPU-only memory
+``kDLCPU``; CPU-addressable memory gives a writable numpy view through :meth:`Tensor.numpy`.
 """
 from __future__ import annotations
 
@@ -15,9 +18,7 @@ import numpy as np
 from lowgrad.core import dlpack
 from lowgrad.core.dtypes import DType, as_dtype
 from lowgrad.core.errors import ClosedError
-from lowgrad.core.memory import HOST_VISIBLE, Allocation, align_up, check_kind
-
-_CUDA_VISIBLE = frozenset(("device", "pinned", "write_combined"))  # addressable by the GPU
+from lowgrad.core.memory import Allocation, align_up, check_kind
 
 
 def check_shape(shape: Any) -> tuple[int, ...]:
@@ -134,15 +135,22 @@ class Tensor:
 
     # ---- host access -------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A writable numpy view of host-visible memory (host, pinned, write-combined kinds, and
-        every tensor of the host backend) or a host copy of CUDA device memory (after a device
+        """A writable numpy view of host-accessible memory (host, pinned, write-combined kinds, and
+        every tensor of the host backend) or a host copy of device-only memory (after a device
         synchronise)."""
-        if self._alloc._host is not None or self.kind in HOST_VISIBLE:
+        if self._alloc.host_accessible:
             raw = self._alloc.host_bytes()[self._offset:self._offset + self.nbytes]
             return raw.view(self.dtype.np).reshape(self.shape)
         out = np.empty(self.shape, self.dtype.np)
         self.device.copy_to_host(out, self)
         return out
+
+    def __float__(self) -> float:
+        """The value of a one-element tensor as a Python float (through :meth:`numpy`: a host
+        sync for device memory), e.g. ``float(gm.grad_norm_squared())``."""
+        if self.numel != 1:
+            raise TypeError(f"only one-element tensors convert to float; {self.name!r} has shape {self.shape}")
+        return float(self.numpy().reshape(-1)[0])
 
     # ---- interop -----------------------------------------------------------------------
     def bitcast(self, dtype: DType | str) -> Tensor:
@@ -158,10 +166,11 @@ class Tensor:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        """CUDA array interface v3 (CUDA device and pinned tensors). The interface has no
-        deleter: consumers (CuPy, Numba, PyTorch) keep this tensor object, so from now on the
-        tensor holds its memory until the tensor object itself is gone, even after ``close()``."""
-        if self.kind not in _CUDA_VISIBLE or getattr(self.device, "backend", "") != "cuda":
+        """CUDA array interface v3 (GPU-addressable memory: CUDA device, pinned and write-combined
+        tensors). The interface has no deleter: consumers (CuPy, Numba, PyTorch) keep this tensor
+        object, so from now on the tensor holds its memory until the tensor object itself is
+        gone, even after ``close()``."""
+        if not self._access()[0]:
             raise AttributeError("__cuda_array_interface__ is provided by CUDA device and pinned tensors only")
         self._export = self._alloc.memory  # ClosedError when closed
         return {"shape": self.shape, "typestr": self.dtype.typestr, "data": (self.ptr, False),
@@ -178,16 +187,22 @@ class Tensor:
         return dlpack.to_capsule(self, device, max_version if versioned else None)
 
     def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, ordinal) for GPU-only memory, (kDLCUDAHost, 0) for memory both the GPU and
+        the CPU address, (kDLCPU, 0) for CPU-only memory."""
         return self._dl_device()
 
     def _dl_device(self) -> tuple[int, int]:
-        if getattr(self.device, "backend", "") != "cuda":  # the host backend: all CPU memory
-            return (dlpack.KDL_CPU, 0)
-        if self.kind == "device":
-            return (dlpack.KDL_CUDA, self.device.ordinal)
-        if self.kind in ("pinned", "write_combined"):
-            return (dlpack.KDL_CUDA_HOST, 0)
+        on_device, on_host = self._access()
+        if on_device:
+            return (dlpack.KDL_CUDA_HOST, 0) if on_host else (dlpack.KDL_CUDA, self.device.ordinal)
         return (dlpack.KDL_CPU, 0)
+
+    def _access(self) -> tuple[bool, bool]:
+        """(device-accessible, host-accessible) of the memory; ClosedError before a lazy commit."""
+        a = self._alloc
+        if not a.bound:
+            raise ClosedError(a._state_message())
+        return a.device_accessible, a.host_accessible
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"0x{self._alloc._ptr or 0:x}+{self._offset}"

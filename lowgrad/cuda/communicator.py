@@ -173,13 +173,6 @@ class Communicator(CommBase):
             rc = fn(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
         self._issue(nccl_call, rc)
 
-    def all_to_all(self, t: Tensor, stream: StreamLike = None) -> None:
-        """The destructive all-to-all: slot k (numel/world elements) of ``t`` goes to rank k;
-        afterwards slot (rank+d-1)%world holds rank (rank-d)%world's slot ``rank`` and slot
-        ``all_to_all_skip()`` holds no peer data. The own slot must be consumed before.
-        ``world - 1`` grouped send/recv steps in order on ``stream``; not allowed in group()."""
-        self.all_to_all_many((t,), stream)
-
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
         """:meth:`all_to_all` of several buffers at once (a layer's gradients): the same
         ``world - 1`` steps, each one NCCL group holding every buffer's send and recv."""
@@ -199,12 +192,6 @@ class Communicator(CommBase):
                 self._settle("ncclGroupEnd", rc, self.timeout)
 
     # ---- groups ------------------------------------------------------------------------
-    def group(self, stream: StreamLike = None, event: Any = None) -> Group:
-        """A grouped transaction on ``stream``: ``with comm.group(s) as g: comm.send(..);
-        comm.recv(..)`` launches once at exit, then records ``g.event`` on ``s`` (``event``:
-        reuse this event instead of creating one, for hot paths)."""
-        return Group(self, self.device.resolve_stream(stream), event or self.device.event())
-
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)
         try:

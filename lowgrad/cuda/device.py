@@ -10,7 +10,8 @@ import numpy as np
 
 from lowgrad.core import capture, release
 from lowgrad.core.backend import DeviceBase
-from lowgrad.core.memory import aligned_host_buffer, host_array
+from lowgrad.core.kernels import Kernels
+from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.cuda import driver as _cuda
@@ -147,7 +148,7 @@ class Device(DeviceBase):
         return Stream.wrap(self, handle)
 
     @property
-    def kernels(self) -> Any:
+    def kernels(self) -> Kernels:
         """This device's compiled kernels (compiled or loaded from the cache at first use)."""
         if self._kernels is None:
             capture.forbid("compiling and loading lowgrad's kernels (first kernel use on this device)")
@@ -156,21 +157,24 @@ class Device(DeviceBase):
         return self._kernels
 
     # ---- memory ------------------------------------------------------------------------
-    kernel_kinds = frozenset(("device", "pinned", "write_combined"))  # pageable host memory is not mapped
+    #: the device-accessible kinds (pageable host memory is not mapped)
+    kernel_kinds = frozenset(kind for kind, (on_device, _) in KIND_ACCESS.items() if on_device)
 
     def memory_limit(self, kind: str) -> int:
         return self.total_memory if kind == "device" else _HOST_LIMIT
 
-    def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Any, np.ndarray | None]:
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        """device: ``cuMemAlloc``; pinned/write-combined: mapped ``cuMemHostAlloc``; host:
+        pageable numpy memory. Access follows :data:`~lowgrad.core.memory.KIND_ACCESS`."""
         drv = _cuda.driver()
         self.activate()
-        size = max(nbytes, 1)
+        size, on_device = max(nbytes, 1), KIND_ACCESS[kind][0]
         if kind == "device":
             ptr = int(_cuda.check("cuMemAlloc", drv.cuMemAlloc(size)))
-            return ptr, _Free(self, drv.cuMemFree, ptr), None
+            return RawBlock(ptr, _Free(self, drv.cuMemFree, ptr), None, on_device)
         if kind == "host":
             ptr, view = aligned_host_buffer(nbytes)
-            return ptr, _noop, view
+            return RawBlock(ptr, _noop, view, on_device)
         flags = _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP
         if kind == "write_combined":
             flags |= _CU_MEMHOSTALLOC_WRITECOMBINED
@@ -179,7 +183,7 @@ class Device(DeviceBase):
         if dptr != host:
             drv.cuMemFreeHost(host)
             raise ValueError("pinned memory needs unified addressing (device pointer != host pointer)")
-        return host, _Free(self, drv.cuMemFreeHost, host), host_array(host, nbytes)
+        return RawBlock(host, _Free(self, drv.cuMemFreeHost, host), host_array(host, nbytes), on_device)
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         if dst.nbytes:

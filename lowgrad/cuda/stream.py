@@ -5,6 +5,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from lowgrad.core import capture, release
+from lowgrad.core.backend import check_priority
 from lowgrad.core.errors import ClosedError
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.cuda import driver as _cuda
@@ -18,7 +19,8 @@ _CUDA_ERROR_NOT_READY = 600
 
 
 class Stream:
-    """A CUDA stream on one device. ``handle`` is the raw ``CUstream`` value as an int.
+    """A CUDA stream on one device (a :class:`lowgrad.core.backend.Stream`). ``handle`` is the
+    raw ``CUstream`` value as an int.
 
     Created streams are non-blocking with respect to the legacy default stream; a wrapped foreign
     handle (:meth:`wrap`) is not owned and never destroyed by lowgrad.
@@ -30,9 +32,7 @@ class Stream:
     def __init__(self, device: Device, priority: int = 0) -> None:
         drv = _cuda.driver()
         device.activate()
-        lo, hi = device.stream_priority_range
-        if not (min(lo, hi) <= priority <= max(lo, hi)):
-            raise ValueError(f"stream priority {priority} outside the device's range [{hi}, {lo}]")
+        priority = check_priority(device, priority)
         self._cu = _cuda.check("cuStreamCreateWithPriority",
                                drv.cuStreamCreateWithPriority(_CU_STREAM_NON_BLOCKING, priority))
         self.device, self.handle, self.priority, self._owned = device, int(self._cu), priority, True

@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 
 from lowgrad.core import release
-from lowgrad.core.backend import DeviceBase
-from lowgrad.core.memory import aligned_host_buffer
+from lowgrad.core.backend import DeviceBase, check_priority
+from lowgrad.core.kernels import Kernels
+from lowgrad.core.memory import RawBlock, aligned_host_buffer
+from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
 
 _HOST_LIMIT = 1 << 42
@@ -18,12 +20,14 @@ _ids = itertools.count()
 
 
 class HostStream:
-    """An eager stream: work is done when the call that queues it returns."""
+    """An eager stream (a :class:`lowgrad.core.backend.Stream`): work is done when the call that
+    queues it returns. ``priority`` is checked against the device's range like CUDA's and has
+    no effect."""
 
     __slots__ = ("device", "handle", "priority")
 
     def __init__(self, device: HostDevice, priority: int = 0, handle: int = 0) -> None:
-        self.device, self.priority, self.handle = device, priority, handle
+        self.device, self.priority, self.handle = device, check_priority(device, priority), handle
 
     def synchronize(self) -> None:
         """Nothing to wait for; a safe point for deferred releases."""
@@ -49,7 +53,8 @@ class HostStream:
 
 
 class HostEvent:
-    """A trivially complete event; records the host clock for :meth:`elapsed_ms`."""
+    """A trivially complete event (a :class:`lowgrad.core.backend.Event`); records the host clock
+    for :meth:`elapsed_ms`."""
 
     __slots__ = ("device", "name", "timing", "_t")
 
@@ -100,16 +105,27 @@ class HostDevice(DeviceBase):
         release.drain()
 
     def stream(self, priority: int = 0) -> HostStream:
+        """A new eager stream; ``priority`` must lie in :attr:`stream_priority_range`."""
         return HostStream(self, priority)
 
     def event(self, timing: bool = False, name: str = "") -> HostEvent:
         return HostEvent(self, timing, name)
 
+    @property
+    def stream_priority_range(self) -> tuple[int, int]:
+        """(0, 0): eager streams have one priority."""
+        return (0, 0)
+
+    def capture_of(self, stream: StreamLike) -> None:
+        """None: the host backend runs work eagerly, nothing is ever captured."""
+        return None
+
     def _wrap_stream(self, handle: int) -> HostStream:
         return HostStream(self, 0, handle)
 
     @property
-    def kernels(self) -> Any:
+    def kernels(self) -> Kernels:
+        """The numpy reference kernels (:class:`lowgrad.host.kernels.HostKernels`)."""
         if self._kernels is None:
             from lowgrad.host.kernels import HostKernels
             self._kernels = HostKernels()
@@ -118,9 +134,10 @@ class HostDevice(DeviceBase):
     def memory_limit(self, kind: str) -> int:
         return _HOST_LIMIT
 
-    def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Any, np.ndarray | None]:
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        """Every kind is pageable CPU memory here: host-accessible only."""
         ptr, view = aligned_host_buffer(nbytes)
-        return ptr, _noop, view
+        return RawBlock(ptr, _noop, view, device_accessible=False)
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         d, s = dst.allocation.host_bytes(), src.allocation.host_bytes()

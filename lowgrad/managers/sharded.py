@@ -65,7 +65,7 @@ class ShardedManager(GradientManager):
         return self._containers[layer % 2], False
 
     def _exchange_block(self, layer: int) -> None:
-        s, first = self.comm_stream, self._micro == 0
+        s, first = self.comm_stream, self._protocol.micro == 0
         if self.world > 1:  # the mean over one rank is the gradient itself
             self.reduce_scatter_all(self._buffers[layer % 2])
         self._add_own(layer, first)
@@ -83,7 +83,7 @@ class ShardedManager(GradientManager):
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
         ``stream``. Valid between steps, after a completed step (ProtocolError otherwise)."""
         self._check_readable(f"block_shard({layer})")
-        self._check_layer(layer)
+        self._protocol.check_layer(layer)
         self._wait(self._comm_done, stream)
         return self._container(self._shards[layer])
 
@@ -107,7 +107,7 @@ class AllToAllManager(ShardedManager):
 
     def _exchange_block(self, layer: int) -> None:
         s = self.comm_stream
-        self._add_own(layer, self._micro == 0)  # consumes the own slot before the exchange
+        self._add_own(layer, self._protocol.micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)
             self.comm.all_to_all_many(self._buffers[layer % 2], stream=s)  # the layer's buffers in W-1 steps

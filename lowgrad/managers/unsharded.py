@@ -26,10 +26,10 @@ class UnshardedManager(GradientManager):
         ``zero_init`` tensors are zeroed on ``stream`` on micro-step 0 and always added into."""
         self._check_fetch(layer)
         tensors = self._full[layer]
-        if self._micro == 0:
+        if self._protocol.micro == 0:
             self._wait(self._comm_done, stream)  # the previous step's reduce-scatters have finished
             self._zero_init(tensors, stream)
-        return self._containers[layer], self._micro > 0
+        return self._containers[layer], self._protocol.micro > 0
 
     def _exchange_block(self, layer: int) -> None:
         if self.last_micro_step:
@@ -40,7 +40,7 @@ class UnshardedManager(GradientManager):
         """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``.
         Valid between steps, after a completed step (ProtocolError otherwise)."""
         self._check_readable(f"block_shard({layer})")
-        self._check_layer(layer)
+        self._protocol.check_layer(layer)
         self._wait(self._comm_done, stream)
         return self._container([shard_view(t, self.rank, self.world) for t in self._full[layer]])
 

@@ -1,0 +1,60 @@
+"""The saved state of a gradient manager: what a restart needs for bit-identical gradients."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from lowgrad import ops
+from lowgrad.managers.protocol import check_step, integer
+
+#: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
+STATE_VERSION = 1
+_KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world"})
+
+
+@dataclass(frozen=True)
+class ManagerState:
+    """Base seed and step of a manager of ``strategy`` at ``rank`` of ``world`` (between steps)."""
+
+    strategy: str
+    base_seed: int
+    step: int
+    rank: int
+    world: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plain dict :meth:`GradientManager.state_dict` returns (with ``version``)."""
+        return {"version": STATE_VERSION, **asdict(self)}
+
+    @classmethod
+    def parse(cls, state: Any) -> ManagerState:
+        """A valid state from a :meth:`as_dict` mapping: TypeError for a non-mapping or a value of
+        the wrong type, ValueError for missing or unknown keys, an unknown version or a value out
+        of range."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
+        keys = set(state)
+        missing, unknown = _KEYS - {"version"} - keys, keys - _KEYS
+        if missing or unknown:
+            raise ValueError(f"state keys: missing {sorted(missing)}, unknown {sorted(map(repr, unknown))}")
+        version = state.get("version", STATE_VERSION)
+        if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+                or version != STATE_VERSION:
+            raise ValueError(f"state version {version!r} is not supported (this lowgrad reads version {STATE_VERSION})")
+        if not isinstance(state["strategy"], str):
+            raise TypeError(f"state strategy must be a str, got {type(state['strategy']).__name__}")
+        world, rank = integer("state world", state["world"]), integer("state rank", state["rank"])
+        base_seed = integer("state base_seed", state["base_seed"])
+        ops.check_seed(base_seed, 0)
+        step = check_step("state step", state["step"])
+        return cls(state["strategy"], base_seed, step, rank, world)
+
+    def check_fits(self, strategy: str, rank: int, world: int) -> None:
+        """ValueError unless the state was saved by a manager of this strategy, rank and world."""
+        for key, value, mine in (("strategy", self.strategy, strategy), ("world", self.world, world),
+                                 ("rank", self.rank, rank)):
+            if value != mine:
+                raise ValueError(f"state {key} {value!r} does not match this manager's {mine!r}")
