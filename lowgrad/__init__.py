@@ -31,7 +31,7 @@ from lowgrad.core.errors import (
 from lowgrad.core.memory import MemoryReport
 from lowgrad.core.streams import stream_handle
 from lowgrad.core.tensor import Container, LazyAllocator, Tensor, from_numpy, shard_view
-from lowgrad.core.version import __version__
+from lowgrad.core.version import __version__ as __version__
 from lowgrad.cuda import nccl
 from lowgrad.cuda.communicator import Communicator
 from lowgrad.cuda.compiler import compile_kernels

@@ -3,6 +3,7 @@ verdict are in :mod:`lowgrad.cli.demo_report`."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -131,7 +132,7 @@ def _engine_write(dw: Tensor, accumulate: bool, pool_dev: Tensor, offset: int, s
 
 
 def _rank_job(comm: Any, args: argparse.Namespace, layout: Layout, pool: np.ndarray, strategy: str,
-              offload: bool, bar: _Bar | None) -> dict[str, Any]:
+              offload: bool, bar: _Bar) -> dict[str, Any]:
     from lowgrad.managers import create_gradient_manager
 
     dev, rank = comm.device, comm.rank
@@ -155,7 +156,7 @@ def _rank_job(comm: Any, args: argparse.Namespace, layout: Layout, pool: np.ndar
                     _engine_write(t, acc, pool_dev, _pool_offsets(rank, m, layer, i), _ENGINE_SEED + m, stream)
                 gm.notify_block(layer, stream)
             gm.end_micro_step(stream)
-            if bar is not None:
+            if rank == 0:  # one progress bar for all ranks
                 bar.tick(f"{strategy}{'+offload' if offload else ''} step {step} micro {m}")
         stream.synchronize()
         comm.barrier()
@@ -246,9 +247,9 @@ def run(args: argparse.Namespace) -> int:
     bar = _Bar(len(runs) * args.steps * args.micro_steps)
     results = []
     for strategy, offload in runs:
-        out = run_threads(world, lambda c, s=strategy, o=offload: _rank_job(c, args, layout, pool, s, o,
-                                                                            bar if c.rank == 0 else None),
-                          backend=backend)
+        job = functools.partial(_rank_job, args=args, layout=layout, pool=pool, strategy=strategy, offload=offload,
+                                bar=bar)
+        out = run_threads(world, job, backend=backend)
         errs = []
         for rank, r in enumerate(out):
             for (layer, i), got in r["shards"].items():

@@ -106,7 +106,7 @@ def log(kind: str, name: str, **fields: Any) -> None:
         return
     extra = " ".join(f"{k}={v}" for k, v in fields.items())
     line = f"lowgrad-trace {time.monotonic():.6f} {threading.current_thread().name} {kind} {name} {extra}"
-    record = logger.makeRecord(logger.name, logging.DEBUG, __file__, 0, line, None, None, None,
+    record = logger.makeRecord(logger.name, logging.DEBUG, __file__, 0, line, (), None, None,
                                {"trace_kind": kind, "trace_name": name, "trace_fields": fields})
     logger.handle(record)  # past the level check: LOWGRAD_TRACE writes whatever the level
 
