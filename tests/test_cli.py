@@ -71,7 +71,7 @@ def test_demo_on_the_host_backend_checks_against_float64(tmp_path: Path, world: 
 def test_demo_rejects_a_world_that_does_not_divide_the_layout() -> None:
     out = run("demo", "--backend", "host", "--world", "3")
     assert out.returncode == 2 and "divisible by world 3" in out.stderr
-    assert out.stderr.startswith("python -m lowgrad demo: error:")
+    assert out.stderr.startswith(f"{os.path.basename(sys.executable)} -m lowgrad demo: error:")  # as invoked
 
 
 def test_version_names_the_program_as_invoked() -> None:
