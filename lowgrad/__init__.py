@@ -12,8 +12,6 @@ guards, deferred release, the backend contract, the collective base, the rendezv
 ``cuda`` and ``host`` (the two backends), ``bootstrap`` (ranks and communicators),
 ``managers`` (gradient managers and layouts), ``cli`` (demo, doctor).
 """
-from __future__ import annotations
-
 from lowgrad import ops
 from lowgrad.bootstrap import from_env, run_threads
 from lowgrad.core.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
@@ -33,6 +31,7 @@ from lowgrad.core.errors import (
 from lowgrad.core.memory import MemoryReport
 from lowgrad.core.streams import stream_handle
 from lowgrad.core.tensor import Container, LazyAllocator, Tensor, from_numpy, shard_view
+from lowgrad.core.version import __version__ as __version__
 from lowgrad.cuda import nccl
 from lowgrad.cuda.communicator import Communicator
 from lowgrad.cuda.compiler import compile_kernels
@@ -47,8 +46,6 @@ from lowgrad.sr import reference
 from lowgrad.sr.philox import philox4x32_10
 from lowgrad.sr.seedcounter import SeedCounter
 from lowgrad.sr.seeds import use_seed
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Device", "HostDevice", "Stream", "Event", "HostStream", "HostEvent", "Tensor", "Container",

@@ -100,10 +100,11 @@ def _host_factory(world: int, timeout: float) -> Callable[[int, threading.Event]
 
 
 def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event], CommBase]:
-    from lowgrad.cuda import nccl
+    from lowgrad.cuda import driver, nccl
     from lowgrad.cuda.communicator import Communicator
     from lowgrad.cuda.device import Device, device_count
 
+    driver.driver()  # CudaUnavailableError with the reason, not "0 GPUs visible"
     count = device_count()
     if world > count:
         raise ValueError(f"run_threads(world={world}, backend='cuda') needs {world} GPUs, {count} visible")

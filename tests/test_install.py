@@ -1,4 +1,5 @@
-"""The installed wheel (the README's `pip install .`) carries the kernel sources and finds them."""
+"""The installed wheel (the README's `pip install .`) carries the kernel sources, finds them, and
+ships ``py.typed``."""
 from __future__ import annotations
 
 import os
@@ -21,13 +22,15 @@ def test_installed_package_finds_its_kernels_and_subpackages(tmp_path: Path) -> 
     code = (f"import importlib; [importlib.import_module(m) for m in {modules!r}]; "
             "import lowgrad, lowgrad.cuda.compiler as c; print(lowgrad.__file__); "
             "print(c.kernel_dir()); print(sorted(lowgrad.compile_kernels('sm_90')))")
+    code += "; import os; print(os.path.isfile(os.path.join(os.path.dirname(lowgrad.__file__), 'py.typed')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     if out.returncode and "No module named 'lowgrad'" in out.stderr:
         pytest.skip("lowgrad is not installed in this interpreter (run from a source checkout)")
     assert out.returncode == 0, out.stderr
-    pkg, kdir, mods = out.stdout.splitlines()
+    pkg, kdir, mods, typed = out.stdout.splitlines()
     if Path(pkg).resolve().parent == REPO / "lowgrad":
         pytest.skip("the importable lowgrad is this source checkout (editable install)")
     assert Path(kdir).resolve() == (Path(pkg).parent / "kernels").resolve()
     assert (Path(kdir) / "sr.cuh").is_file()
     assert mods == str(sorted(MODULES)) and "seed_counter" in MODULES
+    assert typed == "True"  # PEP 561: type checkers read lowgrad's annotations

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from lowgrad.core import rendezvous
+from lowgrad.core import tcp_rendezvous as tcp
 from lowgrad.core.errors import CommTimeoutError
-from lowgrad.core.rendezvous import exchange_unique_id, unique_id_from_env
+from lowgrad.core.rendezvous import unique_id_from_env
+from lowgrad.core.tcp_rendezvous import exchange_unique_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UID = bytes(range(128))
@@ -90,10 +91,10 @@ def hang_up(conn: socket.socket) -> None:
 
 def forged_hello(s: socket.socket, rank: int, world: int) -> bytes:
     """Read rank 0's hello and answer as ``rank`` with a made-up MAC; return rank 0's reply."""
-    magic, _ = rendezvous._SERVER_HELLO.unpack(recv_all(s, rendezvous._SERVER_HELLO.size))
-    assert magic == rendezvous._MAGIC
-    s.sendall(rendezvous._CLIENT_HELLO.pack(magic, rank, world, secrets.token_bytes(32), secrets.token_bytes(32)))
-    return recv_all(s, rendezvous._REPLY.size)
+    magic, _ = tcp._SERVER_HELLO.unpack(recv_all(s, tcp._SERVER_HELLO.size))
+    assert magic == tcp._MAGIC
+    s.sendall(tcp._CLIENT_HELLO.pack(magic, rank, world, secrets.token_bytes(32), secrets.token_bytes(32)))
+    return recv_all(s, tcp._REPLY.size)
 
 
 @pytest.mark.timeout(30)
@@ -124,11 +125,11 @@ def test_out_of_range_rank_is_dropped():
     port = free_port()
     r0 = Rank(0, 2, port)
     s = connect(port)
-    magic, snonce = rendezvous._SERVER_HELLO.unpack(recv_all(s, rendezvous._SERVER_HELLO.size))
-    fields = rendezvous._CLIENT_HELLO.pack(magic, 5, 2, bytes(32), bytes(32))[:-32]
-    s.sendall(fields + rendezvous._client_mac(b"", snonce, fields))  # a well-formed hello for rank 5 of 2
-    status, uid, _ = rendezvous._REPLY.unpack(recv_all(s, rendezvous._REPLY.size))
-    assert status == rendezvous._BAD_RANK and uid == bytes(128)
+    magic, snonce = tcp._SERVER_HELLO.unpack(recv_all(s, tcp._SERVER_HELLO.size))
+    fields = tcp._CLIENT_HELLO.pack(magic, 5, 2, bytes(32), bytes(32))[:-32]
+    s.sendall(fields + tcp._client_mac(b"", snonce, fields))  # a well-formed hello for rank 5 of 2
+    status, uid, _ = tcp._REPLY.unpack(recv_all(s, tcp._REPLY.size))
+    assert status == tcp._BAD_RANK and uid == bytes(128)
     assert Rank(1, 2, port).get() == UID and r0.get() == UID
 
 
@@ -137,7 +138,7 @@ def test_slow_drip_client_is_cut_at_its_handshake_deadline():
     port = free_port()
     r0 = Rank(0, 2, port, timeout=20, handshake_timeout=0.5)
     s = connect(port)
-    recv_all(s, rendezvous._SERVER_HELLO.size)
+    recv_all(s, tcp._SERVER_HELLO.size)
     t0, cut = time.monotonic(), None
     for _ in range(40):  # one byte every 0.1 s: would take 8 s for a whole hello
         try:
@@ -189,7 +190,7 @@ def test_garbage_and_broken_connections_are_dropped():
     connect(port).close()  # connect and leave
     s = connect(port)
     s.sendall((b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + secrets.token_bytes(80))[:80])  # a hello's size of garbage
-    assert len(recv_all(s, 200)) == rendezvous._SERVER_HELLO.size  # hello, then rank 0 hangs up
+    assert len(recv_all(s, 200)) == tcp._SERVER_HELLO.size  # hello, then rank 0 hangs up
     s.close()
     s = connect(port)
     s.sendall(secrets.token_bytes(7))  # a short hello, then close
@@ -206,9 +207,9 @@ def test_squatter_without_token_gets_nothing_and_real_rank_joins():
     port = free_port()
     r0 = Rank(0, 2, port, token=TOKEN)
     s = connect(port)
-    status, uid, _ = rendezvous._REPLY.unpack(forged_hello(s, 1, 2))  # claims rank 1, cannot sign
+    status, uid, _ = tcp._REPLY.unpack(forged_hello(s, 1, 2))  # claims rank 1, cannot sign
     s.close()
-    assert status == rendezvous._BAD_AUTH and uid == bytes(128)
+    assert status == tcp._BAD_AUTH and uid == bytes(128)
     tokenless = Rank(1, 2, port)
     with pytest.raises(PermissionError, match="LOWGRAD_RENDEZVOUS_TOKEN"):
         raise tokenless.get()
@@ -252,8 +253,8 @@ def fake_rank0(port: int, reply: Callable[[bytes, bytes], bytes]) -> threading.T
             conn, _ = srv.accept()
             with conn:
                 nonce = secrets.token_bytes(32)
-                conn.sendall(rendezvous._SERVER_HELLO.pack(rendezvous._MAGIC, nonce))
-                conn.sendall(reply(nonce, recv_all(conn, rendezvous._CLIENT_HELLO.size)))
+                conn.sendall(tcp._SERVER_HELLO.pack(tcp._MAGIC, nonce))
+                conn.sendall(reply(nonce, recv_all(conn, tcp._CLIENT_HELLO.size)))
                 hang_up(conn)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -264,15 +265,15 @@ def fake_rank0(port: int, reply: Callable[[bytes, bytes], bytes]) -> threading.T
 @pytest.mark.timeout(30)
 def test_fake_rank0_cannot_feed_a_bogus_id():
     port = free_port()
-    fake_rank0(port, lambda n, h: rendezvous._REPLY.pack(rendezvous._OK, b"\x66" * 128, secrets.token_bytes(32)))
+    fake_rank0(port, lambda n, h: tcp._REPLY.pack(tcp._OK, b"\x66" * 128, secrets.token_bytes(32)))
     with pytest.raises(PermissionError, match="did not prove"):
         raise Rank(1, 2, port, token=TOKEN).get()
     port = free_port()  # a replayed or re-targeted server MAC fails too: it binds the client's nonce
     key = TOKEN.encode()
 
     def signed_for_other_rank(nonce: bytes, hello: bytes) -> bytes:
-        _, _, _, cnonce, _ = rendezvous._CLIENT_HELLO.unpack(hello)
-        return rendezvous._REPLY.pack(rendezvous._OK, UID, rendezvous._server_mac(key, cnonce, nonce, 2, 3, UID))
+        _, _, _, cnonce, _ = tcp._CLIENT_HELLO.unpack(hello)
+        return tcp._REPLY.pack(tcp._OK, UID, tcp._server_mac(key, cnonce, nonce, 2, 3, UID))
     fake_rank0(port, signed_for_other_rank)
     with pytest.raises(PermissionError, match="did not prove"):
         raise Rank(1, 3, port, token=TOKEN).get()

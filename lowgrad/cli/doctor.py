@@ -1,38 +1,76 @@
-"""``python -m lowgrad doctor``: what a user runs first on a broken setup. Each line is ``ok``,
-``FAILED`` with the reason, or ``absent`` for the CUDA driver on a machine without one (the host
-backend still works there). The exit status is 1 when any line FAILED, else 0."""
+"""``lowgrad doctor``: what a user runs first on a broken setup. Each check gives one line with a
+status (``ok``, ``FAILED`` with the reason, or ``absent`` for the CUDA driver on a machine without
+one) as text or, with ``--json``, as JSON lines; the exit status is 1 when any line FAILED."""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
+import json
 import os
 import platform
 import sys
 from collections.abc import Callable
 
+from lowgrad.core.version import __version__
 
-def _line(status: str, what: str, detail: str) -> None:
-    print(f"[{status:>6}] {what:<22} {detail}")
+SUMMARY = "check the installation: libraries, kernel cache, driver, GPUs, a kernel/NCCL smoke test"
+DESCRIPTION = """\
+Checks the installation one line at a time: Python packages, cuda-bindings, NVRTC, the
+kernel cache, the NCCL library and the CUDA driver; with a driver, also the GPUs, their
+peer links, pinned-copy bandwidth, a kernel, NCCL at world 1 and a CUDA graph.
+
+Each line has a status: ok; FAILED with the reason; or absent (no CUDA driver: the host
+backend still works). Exit status: 0 when no line FAILED, 1 otherwise.
+
+With --json every line is one JSON object on stdout:
+  {"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from ..."}"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The doctor's options."""
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per line (name, status, detail) instead of text")
 
 
 class _Doctor:
-    """Runs the checks and remembers whether any FAILED."""
+    """Runs the checks, prints each line as text or JSON, remembers whether any FAILED."""
 
-    def __init__(self) -> None:
-        self.failed = False
+    def __init__(self, as_json: bool) -> None:
+        self.as_json, self.failed = as_json, False
 
-    def check(self, what: str, fn: Callable[[], str]) -> bool:
-        """Print ``what``'s line; True when it is ok. A CudaUnavailableError is ``absent``, not FAILED."""
+    def line(self, status: str, name: str, detail: str) -> None:
+        """Print one line: ``status`` is "ok", "FAILED" or "absent"."""
+        if self.as_json:
+            print(json.dumps({"name": name, "status": status, "detail": detail}), flush=True)
+        else:
+            print(f"[{status:>6}] {name:<22} {detail}", flush=True)
+        self.failed |= status == "FAILED"
+
+    def note(self, text: str) -> None:
+        """A remark for people (text mode only)."""
+        if not self.as_json:
+            print(text)
+
+    def check(self, name: str, fn: Callable[[], str]) -> bool:
+        """Run ``fn`` and print ``name``'s line; True when it is ok. A CudaUnavailableError is
+        ``absent``, not FAILED."""
         from lowgrad.core.errors import CudaUnavailableError
 
         try:
-            _line("ok", what, fn())
-            return True
+            detail = fn()
         except CudaUnavailableError as exc:
-            _line("absent", what, str(exc))
+            self.line("absent", name, str(exc))
         except Exception as exc:  # the doctor reports every failure and carries on
-            _line("FAILED", what, f"{type(exc).__name__}: {exc}")
-            self.failed = True
+            self.line("FAILED", name, f"{type(exc).__name__}: {exc}")
+        else:
+            self.line("ok", name, detail)
+            return True
         return False
+
+
+def _lowgrad() -> str:
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return f"lowgrad {__version__} from {package}, Python {sys.version.split()[0]} on {platform.platform()}"
 
 
 def _packages() -> str:
@@ -190,17 +228,16 @@ def _graph() -> str:
     return f"captured a kernel in a CUDA graph ({g.kernel_nodes} kernel node), replayed 3 times, checked"
 
 
-def run() -> int:
+def run(args: argparse.Namespace) -> int:
     """Print every line; 1 when any FAILED, else 0."""
-    print(f"lowgrad doctor — Python {sys.version.split()[0]} on {platform.platform()}")
-    doc = _Doctor()
-    for what, fn in (("packages", _packages), ("cuda-bindings", _bindings), ("NVRTC", _nvrtc),
-                     ("kernel cache", _cache), ("NCCL library", _nccl)):
-        doc.check(what, fn)
+    doc = _Doctor(args.json)
+    for name, fn in (("lowgrad", _lowgrad), ("packages", _packages), ("cuda-bindings", _bindings),
+                     ("NVRTC", _nvrtc), ("kernel cache", _cache), ("NCCL library", _nccl)):
+        doc.check(name, fn)
     if doc.check("CUDA driver", _driver):
-        for what, fn in (("GPUs", _gpus), ("GPU links", _links), ("pinned bandwidth", _pinned_bandwidth),
+        for name, fn in (("GPUs", _gpus), ("GPU links", _links), ("pinned bandwidth", _pinned_bandwidth),
                          ("kernel", _kernel_smoke), ("NCCL world 1", _nccl_world1), ("CUDA graph", _graph)):
-            doc.check(what, fn)
+            doc.check(name, fn)
     else:
-        print("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
+        doc.note("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
     return 1 if doc.failed else 0

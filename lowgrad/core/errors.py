@@ -1,14 +1,15 @@
-"""lowgrad's exception family.
+"""lowgrad's exception family: one root, :class:`LowgradError`, every class exported from ``lowgrad``.
 
-Every CUDA driver, NVRTC and NCCL failure raises a subclass of :class:`LowgradError` that names
-the call, the error name and the library's message. Bad arguments raise the built-in
-``ValueError``/``TypeError`` before any work is queued.
+Every CUDA driver, NVRTC and NCCL failure raises a subclass that names the call, the error name
+and the library's message; a closed object, a forbidden operation during capture and a
+gradient-manager protocol violation have their own subclasses. Bad arguments raise the built-in
+``ValueError``/``TypeError`` before any work is queued (``ProtocolError`` is both).
 """
 from __future__ import annotations
 
 
 class LowgradError(RuntimeError):
-    """Base class of every error lowgrad raises for a failing library call."""
+    """Root of every exception lowgrad defines: ``except lowgrad.LowgradError`` catches them all."""
 
 
 class CudaUnavailableError(LowgradError):

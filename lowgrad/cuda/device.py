@@ -230,7 +230,10 @@ def _noop() -> None:
 
 
 def device_count() -> int:
-    """Number of visible GPUs (raises CudaUnavailableError without a driver)."""
+    """Number of visible GPUs; 0 where there is no usable driver or no GPU (``Device(0)`` then
+    raises CudaUnavailableError with the reason)."""
+    if not _cuda.available():
+        return 0
     return int(_cuda.check("cuDeviceGetCount", _cuda.driver().cuDeviceGetCount()))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lowgrad.core import trace
 from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
@@ -66,6 +67,11 @@ class HostCommunicator(CommBase):
             raise ValueError(f"host collective: ranks disagree (call(dtype, elements, op)): {desc}")
         return [it[2] for it in items]
 
+    def _trace(self, call: str, t: Tensor, count: int, stream: int, **fields: Any) -> None:
+        """The trace line of a collective on ``t``: ``count`` elements per rank, as NCCL's lines."""
+        trace.log("collective", call, rank=self.rank, tensor=t.name, count=count, dtype=t.dtype.name,
+                  stream=hex(stream), **fields)
+
     def _sync(self) -> None:
         self.collective.exchange(self.rank, None, self.timeout)
 
@@ -74,7 +80,9 @@ class HostCommunicator(CommBase):
         """In place: ``t`` is the full buffer on every rank; afterwards ``shard_view(t, rank,
         world)`` (flat elements ``[rank*n, (rank+1)*n)``, n = numel/world) holds the reduction."""
         count, _ = self._rs_args(t, op)
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            self._trace("reduce_scatter", t, count, h, op=op)
 
         def run() -> None:
             flat = t.numpy().reshape(-1)
@@ -88,7 +96,9 @@ class HostCommunicator(CommBase):
         """In place (``t`` full, own shard already in place) or from shard ``t`` into ``out``
         (``world * t.numel`` elements, rank order)."""
         shard, full = self._ag_args(t, out)
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            self._trace("all_gather", shard, shard.numel, h)
 
         def run() -> None:
             views = self._agree("all_gather", (shard.dtype.name, shard.numel, None), shard.numpy().reshape(-1))
@@ -102,7 +112,9 @@ class HostCommunicator(CommBase):
     def all_reduce(self, t: Tensor, op: str = "sum", stream: StreamLike = None) -> None:
         """In place: every rank's ``t`` becomes the reduction (``sum``, ``avg`` or ``max``)."""
         self._ar_args(t, op)
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            self._trace("all_reduce", t, t.numel, h, op=op)
 
         def run() -> None:
             flat = t.numpy().reshape(-1)
@@ -115,7 +127,9 @@ class HostCommunicator(CommBase):
     def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
         """Send a copy of ``t`` to ``peer`` (never blocks; completes at once)."""
         peer = self._p2p_args("send", t, peer)
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            self._trace("send", t, t.numel, h, peer=peer)
         self._run(lambda: self.collective.post(self.rank, peer, "p2p", (t.dtype.name, t.numel, t.numpy().copy())),
                   is_send=True)
 
@@ -123,7 +137,9 @@ class HostCommunicator(CommBase):
         """Receive the next tensor ``peer`` sent to this rank into ``t`` (same dtype and size,
         else ValueError here); waits at most ``timeout`` seconds."""
         peer = self._p2p_args("recv", t, peer)
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            self._trace("recv", t, t.numel, h, peer=peer)
 
         def run() -> None:
             dt, n, data = self.collective.take(peer, self.rank, "p2p", self.timeout)
@@ -136,7 +152,10 @@ class HostCommunicator(CommBase):
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
         """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps."""
         ns = [self._a2a_args(t) for t in tensors]
-        stream_handle(stream)
+        h = stream_handle(stream)
+        if trace.ENABLED:
+            for t, n in zip(tensors, ns):
+                self._trace("all_to_all", t, n, h)
         flats = [t.numpy().reshape(-1) for t in tensors]
         self._agree("all_to_all", tuple((t.dtype.name, t.numel) for t in tensors), None)
         for send_peer, send_slot, recv_peer, recv_slot in all_to_all_schedule(self.rank, self.world):

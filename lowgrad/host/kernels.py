@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lowgrad.core import trace
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, SeedSource, apply_op
@@ -16,16 +17,25 @@ def _seeds(source: SeedSource) -> list[int]:
     return values if counter is None else counter.host_seeds(layer, values)
 
 
+def _trace(name: str, t: Tensor, stream: int) -> None:
+    """The trace line of a host kernel writing ``t`` (CUDA's launches trace grid and block)."""
+    trace.log("kernel", name, dst=t.name, numel=t.numel, dtype=t.dtype.name, stream=hex(stream))
+
+
 class HostKernels:
     """Arguments arrive checked by :mod:`lowgrad.ops`; each call completes before returning."""
 
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
+        if trace.ENABLED:
+            _trace("add_sr", dst, stream)
         out = reference.add_sr(a.numpy().reshape(-1), b.numpy().reshape(-1), scale, seed, index_offset, dst.dtype)
         dst.numpy().reshape(-1)[:] = out
 
     def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                   seed: int, index_offset: int, stream: int) -> None:
+        if trace.ENABLED:
+            _trace("reduce_sr", dst, stream)
         d = dst.numpy().reshape(-1)
         d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, seed, index_offset)
 
@@ -46,12 +56,18 @@ class HostKernels:
                                              index_offset, stream)
 
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
+        if trace.ENABLED:
+            _trace("seed_counter", counter, stream)
         apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
+        if trace.ENABLED:
+            _trace("fill_zero", dst, stream)
         dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
+        if trace.ENABLED:
+            _trace("norm_squared", x, stream)
         o = out.numpy().reshape(-1)
         acc = "float64" if o.dtype == np.float64 else "float32"
         total = reference.norm_squared(x.numpy().reshape(-1), accum=acc)
