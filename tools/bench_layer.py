@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lowgrad as lg  # noqa: E402
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.core.dtypes import byte
+from lowgrad.core.tensor import span
 from lowgrad.cuda.compiler import add_sr_multi_spec
 from lowgrad.sr.seeds import use_seed
 
@@ -122,10 +123,8 @@ def main() -> int:
         rows.append(row)
         print(f"{row['variant']:<42}{us:>9.1f} us/layer  ratio {row['ratio']:.3f}", flush=True)
     # one flat add_sr over the layer's contiguous shards (an upper bound: one tensor, no table)
-    sh0, b0 = shards[0][0], bufs[0][0]
-    n_flat = (shards[0][-1].ptr + shards[0][-1].nbytes - sh0.ptr) // 2
-    flat_sh = lg.Tensor(sh0.allocation, sh0._offset, lg.bf16, (n_flat,), "flat")
-    flat_b = lg.Tensor(b0.allocation, b0._offset, lg.bf16, (n_flat,), "flat")
+    flat_sh = span(shards[0], lg.bf16, "flat")
+    flat_b = lg.Tensor(bufs[0][0].allocation, bufs[0][0].offset, lg.bf16, (flat_sh.numel,), "flat")
     us = time_all(lambda layer, st: lg.ops.add_sr(flat_sh, flat_sh, flat_b, 1.0, 5, 0, st), False)
     rows.append({"variant": "flat add_sr (one tensor)", "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6)})
     print(f"{'flat add_sr (one tensor)':<42}{us:>9.1f} us/layer  ratio {rows[-1]['ratio']:.3f}")

@@ -10,10 +10,10 @@ import numpy as np
 
 from lowgrad.core import release
 from lowgrad.core.backend import DeviceBase
+from lowgrad.core.limits import HOST_ALLOC_LIMIT
 from lowgrad.core.memory import aligned_host_buffer
 from lowgrad.core.tensor import Tensor
 
-_HOST_LIMIT = 1 << 42
 _ids = itertools.count()
 
 
@@ -116,7 +116,7 @@ class HostDevice(DeviceBase):
         return self._kernels
 
     def memory_limit(self, kind: str) -> int:
-        return _HOST_LIMIT
+        return HOST_ALLOC_LIMIT
 
     def _raw_alloc(self, kind: str, nbytes: int) -> tuple[int, Any, np.ndarray | None]:
         ptr, view = aligned_host_buffer(nbytes)

@@ -49,7 +49,7 @@ class HostKernels:
         apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
-        dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0
+        dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = 0
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         o = out.numpy().reshape(-1)

@@ -80,7 +80,7 @@ class GradientManager(ABC):
             if spec.dtype is not None and as_dtype(spec.dtype) is not self.dtype:
                 raise TypeError(f"parameter {spec.name!r} has dtype {as_dtype(spec.dtype).name}, "
                                 f"but the manager's gradient dtype is {self.dtype.name}")
-        ops.check_seed(seed, 0)
+        ops.check_seed(seed)
         step = _check_step("step", step)
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
@@ -429,7 +429,7 @@ class GradientManager(ABC):
             raise TypeError(f"state strategy must be a str, got {type(state['strategy']).__name__}")
         world, rank = _integer("state world", state["world"]), _integer("state rank", state["rank"])
         base_seed = _integer("state base_seed", state["base_seed"])
-        ops.check_seed(base_seed, 0)
+        ops.check_seed(base_seed)
         step = _check_step("state step", state["step"])
         for key, value in (("strategy", state["strategy"]), ("world", world), ("rank", rank)):
             if value != getattr(self, key):
