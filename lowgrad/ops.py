@@ -12,6 +12,7 @@ from typing import Any
 
 from lowgrad.core import capture
 from lowgrad.core.dtypes import DType, fp32, fp64
+from lowgrad.core.kernels import SeedSource
 from lowgrad.core.limits import U64
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
@@ -25,7 +26,7 @@ from lowgrad.sr.checks import (
     check_seed,
     check_u32,
 )
-from lowgrad.sr.seedcounter import SeedCounter, SeedSource
+from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["SR_DTYPES", "NORM_OUT_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
            "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_zero",
@@ -128,7 +129,7 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
     whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
     or ``count`` ints, each ``2 * tensor + phase``). Returns the backends' form,
-    :data:`~lowgrad.sr.seedcounter.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
+    :data:`~lowgrad.core.kernels.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
     with one entry per use."""
     if isinstance(seeds, tuple):
         if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):

@@ -60,12 +60,13 @@ def main() -> int:
     def add(name: str, runs: list[Callable[[int], None]]) -> None:
         variants[name] = lambda layer, s: runs[layer](s)
 
-    resident = kern.resident_blocks(kern.kernel(add_sr_multi_spec(lg.bf16, lg.bf16)).func, 256)
+    multi = add_sr_multi_spec(lg.bf16, lg.bf16)
+    resident = kern.resident_blocks(kern.kernel(multi).func, multi.block)
     fixed = [(None, 0, seeds[l]) for l in range(L)]  # the backend's form of fixed seeds (ops.check_seed_source)
     add(f"multi, resident grid ({resident // sms} x SMs)", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l])
                                                              for l in range(L)])
     for f in (1, 2, 4, 6, 8, 16, 64):
-        add(f"multi, {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l], sms * f) for l in range(L)])
+        add(f"multi, {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l], blocks=sms * f) for l in range(L)])
     counter = lg.SeedCounter(dev, 7, 0)
     counter.next_micro(0)  # micro-step 1, as the seeds above
     lanes = [2 * i for i in range(len(specs))]

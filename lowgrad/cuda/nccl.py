@@ -6,8 +6,9 @@ The library is loaded at first use (never at import) from, in order: ``LOWGRAD_N
 
 The collective wrappers are thin: they take ints (device pointers, element counts, the
 ``ncclDataType_t`` code of ``DType.nccl`` and the ``ncclRedOp_t`` code of
-:data:`lowgrad.core.collective.OPS`, the communicator handle and a ``cudaStream_t`` handle), call NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or
-``ncclInProgress`` (7, non-blocking communicators); any other code raises
+:data:`lowgrad.core.collective.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
+NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or ``ncclInProgress``
+(7, non-blocking communicators); any other code raises
 :class:`~lowgrad.core.errors.NcclError` with ``ncclGetErrorString`` and ``ncclGetLastError``.
 Every call is asynchronous with respect to the host: it queues work on the given stream.
 They use the loaded library directly: call :func:`lib` first (every Communicator has).

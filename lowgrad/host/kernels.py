@@ -5,9 +5,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lowgrad.core.kernels import Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
-from lowgrad.sr.seedcounter import COUNTER_DTYPE, SeedSource, apply_op
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, apply_op
 
 
 def _seeds(source: SeedSource) -> list[int]:
@@ -16,8 +17,10 @@ def _seeds(source: SeedSource) -> list[int]:
     return values if counter is None else counter.host_seeds(layer, values)
 
 
-class HostKernels:
-    """Arguments arrive checked by :mod:`lowgrad.ops`; each call completes before returning."""
+class HostKernels(Kernels):
+    """The :class:`~lowgrad.core.kernels.Kernels` contract on host memory, eagerly: arguments
+    arrive checked by :mod:`lowgrad.ops`; each call (and each bound launch) completes before
+    returning, whatever the stream."""
 
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
@@ -33,8 +36,8 @@ class HostKernels:
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource,
-                          blocks: int | None = None) -> Callable[[int], None]:
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource
+                          ) -> Callable[[int], None]:
         def run(stream: int) -> None:
             for (dst, a, b, off), seed in zip(items, _seeds(seeds)):
                 self.add_sr(dst, a, b, scale, seed, off, stream)

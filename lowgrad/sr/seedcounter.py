@@ -20,9 +20,6 @@ from lowgrad.sr.seeds import use_seeds
 #: the layout of ``struct SeedCounter`` (kernels/sr.cuh)
 COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4")])
 SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
-#: what the backends' bound SR launches take (lowgrad.ops.check_seed_source makes it): (a counter,
-#: its layer, one lane per SR use) or (None, 0, one fixed seed per SR use)
-SeedSource = tuple["SeedCounter | None", int, list[int]]
 #: the largest step the counter holds; ``next_step`` from it would wrap to 0 (repeating step 0's
 #: noise), so a manager never starts step ``LAST_STEP`` (the step after it would not fit)
 LAST_STEP = U32 - 1
