@@ -28,9 +28,9 @@ from lowgrad.sr.checks import (
 )
 from lowgrad.sr.seedcounter import SeedCounter
 
-__all__ = ["SR_DTYPES", "NORM_OUT_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
-           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_zero",
-           "norm_squared", "reduce_sr"]
+__all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
+           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_zero", "norm_squared",
+           "reduce_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)

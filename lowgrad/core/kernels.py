@@ -10,9 +10,9 @@ contract.
 """
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from lowgrad.core.tensor import Tensor
 
@@ -22,7 +22,7 @@ from lowgrad.core.tensor import Tensor
 SeedSource = tuple[Any, int, list[int]]
 
 
-class Kernels(Protocol):
+class Kernels(ABC):
     """A backend's kernels. Both backends derive from this class; results are bit for bit the
     same on both (the numpy reference :mod:`lowgrad.sr.reference` defines them), except the last
     bits of :meth:`norm_squared`, whose summation order is the backend's."""

@@ -125,6 +125,11 @@ def _includes(text: str, directory: Path, seen: dict[str, str]) -> None:
             _includes(seen[h], directory, seen)
 
 
+def _substitute(body: str, args: Mapping[str, str]) -> str:
+    """``body`` with every whole word that names a macro parameter replaced by its argument."""
+    return re.sub(r"\b\w+\b", lambda t: args.get(t.group(0), t.group(0)), body)
+
+
 def _expansions(text: str) -> Iterator[tuple[str, str, str]]:
     """(launch bounds, symbol, parameter list) of every entry point: written out, or in the body
     of a macro and then once per use of the macro with its arguments substituted."""
@@ -140,12 +145,11 @@ def _expansions(text: str) -> Iterator[tuple[str, str, str]]:
             actual = [a.strip() for a in use.group(1).split(",")]
             if len(actual) != len(formals):
                 raise ValueError(f"{name}({use.group(1)}): {len(actual)} arguments for {len(formals)} parameters")
-            sub = dict(zip(formals, actual))
-            expanded = re.sub(r"\b\w+\b", lambda t: sub.get(t.group(0), t.group(0)), body)
-            expanded = re.sub(r"\s*##\s*", "", expanded)
-            m = _ENTRY.search(expanded)
-            assert m is not None  # the body matched before substitution
-            yield m.group(1) or "", m.group(2), m.group(3)
+            expanded = re.sub(r"\s*##\s*", "", _substitute(body, dict(zip(formals, actual))))
+            found = _ENTRY.search(expanded)
+            if found is None:
+                raise ValueError(f"{name}({use.group(1)}): the expansion declares no kernel")
+            yield found.group(1) or "", found.group(2), found.group(3)
 
 
 def _declarator(decl: str, symbol: str) -> tuple[str, Any]:
