@@ -62,7 +62,9 @@ ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
 // Results equal separate add_sr launches (noise depends on the element index only). Tensor t's
 // seed is seed[t], or with a counter the per-use seed of (layer, lane = seed[t]) read when the
 // kernel runs (sr.cuh).
-enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256 };
+// The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
+// (lowgrad/cuda/kernels.py reads these constants here).
+enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256, CHUNK_ELEMS = CHUNK_THREADS * ADD_UNROLL * GROUP_ELEMS };
 
 struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel parameters
   u64 dst[MULTI_MAX], a[MULTI_MAX], b[MULTI_MAX], seed[MULTI_MAX], offset[MULTI_MAX], n[MULTI_MAX];
@@ -84,23 +86,23 @@ template <typename D, typename A, typename B> __device__ __forceinline__ void ad
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
     const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(seeds[t]), m.offset[t]};
-    const u64 n = m.n[t], full = n >> 3;
+    const u64 n = m.n[t], full = n / GROUP_ELEMS;
     const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
     const bool vec = aligned16(m.dst[t] | m.a[t] | m.b[t]);
     if (vec && g + (U - 1) * CHUNK_THREADS < full) {
       u64 e[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) e[u] = 8 * (g + u * CHUNK_THREADS);
-      f.template run<U, true>(e, 8u);
+      for (int u = 0; u < U; ++u) e[u] = GROUP_ELEMS * (g + u * CHUNK_THREADS);
+      f.template run<U, true>(e, GROUP_ELEMS);
     } else {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const u64 q = g + u * CHUNK_THREADS, e[1] = {8 * q};
+        const u64 q = g + u * CHUNK_THREADS, e[1] = {GROUP_ELEMS * q};
         if (q < full) {
-          if (vec) f.template run<1, true>(e, 8u);
-          else f.template run<1, false>(e, 8u);
-        } else if (q == full && (n & 7u)) {
-          f.template run<1, false>(e, (u32)(n & 7u));
+          if (vec) f.template run<1, true>(e, GROUP_ELEMS);
+          else f.template run<1, false>(e, GROUP_ELEMS);
+        } else if (q == full && (n & (GROUP_ELEMS - 1))) {
+          f.template run<1, false>(e, (u32)(n & (GROUP_ELEMS - 1)));
         }
       }
     }

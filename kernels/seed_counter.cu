@@ -2,7 +2,7 @@
 // op 0 sets {base, step, micro-step 0}; op 1 advances the micro-step; op 2 starts the next step.
 #include "sr.cuh"
 
-extern "C" __global__ void seed_counter(SeedCounter* c, u32 op, u64 base, u32 step) {
+extern "C" __global__ void __launch_bounds__(256) seed_counter(SeedCounter* c, u32 op, u64 base, u32 step) {
   if (threadIdx.x | blockIdx.x) return;
   if (op == 0) {
     c->base = base;

@@ -85,6 +85,9 @@ __device__ __forceinline__ u32 noise_half(uint4 r, int k) {
 }
 
 // ---- groups of 8 elements in registers ---------------------------------------------------------
+// Elements per group: one Philox call's noise (sr_noise8), one 16-byte bf16 load or two fp32 ones.
+// The host sizes grids from it (lowgrad/cuda/kernels.py reads it here); the code below is for 8.
+enum : u32 { GROUP_ELEMS = 8 };
 __device__ __forceinline__ void unpack_bf16x2(u32 w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
@@ -170,28 +173,28 @@ __device__ __forceinline__ bool aligned16(u64 bits) { return (bits & 15u) == 0; 
 template <int U, typename F>
 __device__ __forceinline__ void for_each_group_in(F& f, u64 n, bool vec, u32 block, u32 nblocks) {
   const u64 tid = (u64)block * blockDim.x + threadIdx.x, stride = (u64)nblocks * blockDim.x;
-  const u64 full = n >> 3;
+  const u64 full = n / GROUP_ELEMS;
   u64 q = tid;
   if (vec) {
     for (; q + (U - 1) * stride < full; q += U * stride) {
       u64 e[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) e[u] = 8 * (q + u * stride);
-      f.template run<U, true>(e, 8u);
+      for (int u = 0; u < U; ++u) e[u] = GROUP_ELEMS * (q + u * stride);
+      f.template run<U, true>(e, GROUP_ELEMS);
     }
     for (; q < full; q += stride) {
-      const u64 e[1] = {8 * q};
-      f.template run<1, true>(e, 8u);
+      const u64 e[1] = {GROUP_ELEMS * q};
+      f.template run<1, true>(e, GROUP_ELEMS);
     }
   } else {
     for (; q < full; q += stride) {
-      const u64 e[1] = {8 * q};
-      f.template run<1, false>(e, 8u);
+      const u64 e[1] = {GROUP_ELEMS * q};
+      f.template run<1, false>(e, GROUP_ELEMS);
     }
   }
-  if (tid == 0 && (n & 7u)) {
-    const u64 e[1] = {8 * full};
-    f.template run<1, false>(e, (u32)(n & 7u));
+  if (tid == 0 && (n % GROUP_ELEMS)) {
+    const u64 e[1] = {GROUP_ELEMS * full};
+    f.template run<1, false>(e, (u32)(n % GROUP_ELEMS));
   }
 }
 

@@ -7,23 +7,33 @@ reference on the host backend, bit for bit the same results.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, bf16, fp32, fp64
+from lowgrad.core.dtypes import DType, fp32, fp64
+from lowgrad.core.kernels import SeedSource
+from lowgrad.core.limits import U64
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
-from lowgrad.sr.seedcounter import SeedCounter, SeedSource
+from lowgrad.sr.checks import (
+    F32_MAX,
+    SR_DTYPES,
+    check_accumulate,
+    check_index_offset,
+    check_reduce_sr_args,
+    check_scale,
+    check_seed,
+    check_u32,
+)
+from lowgrad.sr.seedcounter import SeedCounter
+
+__all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
+           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_zero", "norm_squared",
+           "reduce_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
-SR_DTYPES = (fp32, bf16)  # dtypes the SR kernels read and write
 NORM_OUT_DTYPES = (fp32, fp64)
-_U32, _U64 = 1 << 32, 1 << 64
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _tensor(t: Any, what: str) -> Tensor:
@@ -56,35 +66,7 @@ def _kernel_memory(dev: Any, *ts: tuple[Tensor, str]) -> None:
 def _overlap(x: Tensor, y: Tensor) -> bool:
     if x.allocation is not y.allocation or not x.nbytes or not y.nbytes:
         return False
-    return x._offset < y._offset + y.nbytes and y._offset < x._offset + x.nbytes
-
-
-def check_seed(seed: Any, index_offset: Any, n: int = 0) -> tuple[int, int]:
-    """Validate a 64-bit seed and an element index offset of a tensor of ``n`` elements (every
-    noise index ``index_offset + i`` must fit 64 bits)."""
-    for v, what in ((seed, "seed"), (index_offset, "index_offset")):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"{what} must be an int, got {type(v).__name__}")
-    if not 0 <= seed < _U64:
-        raise ValueError(f"seed {seed} outside [0, 2**64)")
-    if not (0 <= index_offset and index_offset + n <= _U64 and index_offset < _U64):
-        raise ValueError(f"index_offset {index_offset} outside [0, 2**64 - {n}] for {n} elements")
-    return seed, index_offset
-
-
-def check_accumulate(accumulate: Any) -> bool:
-    if not (isinstance(accumulate, (bool, np.bool_)) or (type(accumulate) is int and accumulate in (0, 1))):
-        raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
-    return bool(accumulate)
-
-
-def check_scale(scale: Any) -> float:
-    """A finite scale that float32 can hold (the kernels multiply in float32)."""
-    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"scale must be a number, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and abs(float(scale)) <= _F32_MAX):
-        raise ValueError(f"scale must be finite in float32, got {scale!r}")
-    return float(scale)
+    return x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
 
 
 def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, index_offset: Any
@@ -109,12 +91,12 @@ def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, inde
         _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
     if ad is ab and _overlap(dst, b):
         raise ValueError(f"add_sr: dst {dst.name!r} may not overlap b {b.name!r}")
-    if ad is aa and _overlap(dst, a) and (dst._offset != a._offset or dst.dtype is not a.dtype):
+    if ad is aa and _overlap(dst, a) and (dst.offset != a.offset or dst.dtype is not a.dtype):
         raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
     if (type(seed) is not int or type(index_offset) is not int
-            or not (0 <= seed < _U64 and 0 <= index_offset and index_offset + n <= _U64)):
-        seed, index_offset = check_seed(seed, index_offset, n)
-    if type(scale) is not float or not -_F32_MAX <= scale <= _F32_MAX:
+            or not (0 <= seed < U64 and 0 <= index_offset < U64 and index_offset + n <= U64)):
+        seed, index_offset = check_seed(seed), check_index_offset(index_offset, n)
+    if type(scale) is not float or not -F32_MAX <= scale <= F32_MAX:
         scale = check_scale(scale)
     return dev, scale, seed, index_offset
 
@@ -147,7 +129,7 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
     whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
     or ``count`` ints, each ``2 * tensor + phase``). Returns the backends' form,
-    :data:`~lowgrad.sr.seedcounter.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
+    :data:`~lowgrad.core.kernels.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
     with one entry per use."""
     if isinstance(seeds, tuple):
         if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):
@@ -159,15 +141,12 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
         if isinstance(lanes, (list, tuple)) and len(lanes) != count:
             raise ValueError(f"{len(lanes)} lanes for {count} tensors")
         for v, what in ((layer, "layer"), *((x, "lane") for x in one_each)):
-            if type(v) is not int or not 0 <= v < _U32:
-                raise ValueError(f"seed counter {what} must be an int in [0, 2**32), got {v!r}")
-        return counter, layer, one_each
+            check_u32(v, f"seed counter {what}")
+        return counter, int(layer), [int(x) for x in one_each]
     many = [seeds] if count == 1 and not isinstance(seeds, (list, tuple)) else seeds
     if not isinstance(many, (list, tuple)) or len(many) != count:
         raise ValueError(f"need {count} seeds, got {seeds!r}")
-    for v in many:
-        check_seed(v, 0)
-    return None, 0, list(many)
+    return None, 0, [check_seed(v) for v in many]
 
 
 def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0
@@ -190,26 +169,21 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
     return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds)
 
 
-def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, seed: Any,
-                     index_offset: Any) -> tuple[Any, float, int, int]:
-    """reduce_sr's checks; returns (device, scale, seed, index_offset)."""
+def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, accumulate: Any, seed: Any,
+                     index_offset: Any) -> tuple[Any, int, int, float, bool, int, int]:
+    """reduce_sr's checks (:func:`lowgrad.sr.checks.check_reduce_sr_args` after the tensor ones);
+    returns (device, n_shards, skip, scale, accumulate, seed, index_offset)."""
     _tensor(dst, "dst")
     _tensor(src, "src")
     _dtype_in(dst, "dst", SR_DTYPES)
     _dtype_in(src, "src", SR_DTYPES)
     dev = _same_device(dst, (src, "src"))
-    if not isinstance(n_shards, int) or isinstance(n_shards, bool) or n_shards < 1:
-        raise ValueError(f"n_shards must be a positive int, got {n_shards!r}")
-    if not isinstance(skip, int) or isinstance(skip, bool) or not -1 <= skip < n_shards:
-        raise ValueError(f"skip {skip!r} outside [-1, {n_shards})")
-    if src.numel != n_shards * dst.numel:
-        raise ValueError(f"reduce_sr: src {src.name!r} has {src.numel} elements, not n_shards ({n_shards}) "
-                         f"x dst ({dst.numel})")
+    checked = check_reduce_sr_args(dst.numel, src.numel, dst.dtype, src.dtype, n_shards, skip, scale, accumulate,
+                                   seed, index_offset)
     if _overlap(dst, src):
         raise ValueError(f"reduce_sr: dst {dst.name!r} may not overlap src {src.name!r}")
     _kernel_memory(dev, (dst, "dst"), (src, "src"))
-    seed, index_offset = check_seed(seed, index_offset, dst.numel)
-    return dev, check_scale(scale), seed, index_offset
+    return (dev, *checked)
 
 
 def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
@@ -220,17 +194,19 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
     block index or -1. Sums run in float32 in block order starting from +0.0.
     """
     h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
-    dev, scale, seed, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, seed, index_offset)
+    dev, n_shards, skip, scale, accumulate, seed, index_offset = _check_reduce_sr(
+        dst, src, n_shards, skip, scale, accumulate, seed, index_offset)
     capture.keep_tensors(dst, src)
-    dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), seed, index_offset, h)
+    dev.kernels.reduce_sr(dst, src, n_shards, skip, scale, accumulate, seed, index_offset, h)
 
 
 def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
                    accumulate: bool = False, index_offset: int = 0, seed: Any = 0) -> Callable[[int], None]:
     """``reduce_sr`` checked and packed once, ``seed`` an int or ``(counter, layer, lane)`` (see
     :func:`check_seed_source`); the returned ``f(stream)`` queues it on ``stream`` (an int handle)."""
-    dev, scale, _, index_offset = _check_reduce_sr(dst, src, n_shards, skip, scale, 0, index_offset)
-    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, check_accumulate(accumulate), index_offset,
+    dev, n_shards, skip, scale, accumulate, _, index_offset = _check_reduce_sr(
+        dst, src, n_shards, skip, scale, accumulate, 0, index_offset)
+    return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, accumulate, index_offset,
                                       check_seed_source(seed, 1, dev))
 
 
@@ -251,9 +227,9 @@ def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
     engines do not order overlapping bytes)."""
     _tensor(dst, "dst")
     _tensor(src, "src")
-    if _overlap(dst, src) and (dst._offset != src._offset or dst.nbytes != src.nbytes):
+    if _overlap(dst, src) and (dst.offset != src.offset or dst.nbytes != src.nbytes):
         raise ValueError(f"copy: dst {dst.name!r} and src {src.name!r} partially overlap (bytes "
-                         f"[{dst._offset}, {dst._offset + dst.nbytes}) and [{src._offset}, {src._offset + src.nbytes}) "
+                         f"[{dst.offset}, {dst.offset + dst.nbytes}) and [{src.offset}, {src.offset + src.nbytes}) "
                          "of one allocation)")
     dst.device.copy(dst, src, stream)
 

@@ -1,5 +1,5 @@
 """NVRTC compilation (no GPU needed): every kernel module builds, the disk cache hits and honours
-LOWGRAD_CACHE_DIR (what it refuses: test_kernel_cache.py), compile errors carry NVRTC's log, and the KERNELS table
+LOWGRAD_CACHE_DIR (what it refuses: test_kernel_cache.py), compile errors carry NVRTC's log, and the kernel table
 matches the compiled entry points."""
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def test_nvrtc_version() -> None:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_module_compiles_and_holds_its_symbols(cache: Path, arch: str) -> None:
     cubins = lowgrad.compile_kernels(arch)
-    assert list(cubins) == list(compiler.MODULES)
+    assert list(cubins) == list(compiler.modules())
     for module, cubin in cubins.items():
         assert cubin[:4] == b"\x7fELF", module
-    for spec in compiler.KERNELS.values():
+    for spec in compiler.kernel_specs().values():
         assert spec.symbol.encode() + b"\0" in cubins[spec.module], spec.symbol
-    assert len(list(cache.glob("*.cubin"))) == len(compiler.MODULES)
+    assert len(list(cache.glob("*.cubin"))) == len(compiler.modules())
 
 
 def test_second_call_hits_the_disk_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,7 +109,7 @@ def test_bad_arch_and_module() -> None:
 def test_sources_use_no_toolkit_headers() -> None:
     d = compiler.kernel_dir()
     files = sorted(d.glob("*.cu")) + sorted(d.glob("*.cuh"))
-    assert {f.stem for f in d.glob("*.cu")} == set(compiler.MODULES)
+    assert {f.stem for f in d.glob("*.cu")} == set(compiler.modules())
     for f in files:
         assert not re.search(r"#\s*include\s*<", f.read_text()), f.name
 
@@ -135,13 +135,13 @@ def test_kernels_table_matches_the_entry_points() -> None:
     d = compiler.kernel_dir()
     opts = ["--gpu-architecture=compute_90", *(o for o in compiler.BASE_OPTIONS if not o.startswith("--ptxas"))]
     seen = set()
-    for module in compiler.MODULES:
+    for module in compiler.modules():
         src = (d / f"{module}.cu").read_bytes()
         ptx, _ = compiler._compile(src, f"{module}.cu", compiler._headers(src, d), opts, ptx=True)
         entries = re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx.decode(errors="replace"))
         assert entries, module
         for symbol, params in entries:
-            spec = compiler.KERNELS[symbol]
+            spec = compiler.kernel_specs()[symbol]
             assert spec.module == module
             if spec.struct:  # one by-value struct: `.param .align 8 .b8 name[size]`
                 (size,) = re.findall(r"\.param\s+\.align\s+8\s+\.b8\s+\w+\[(\d+)\]", params)
@@ -150,19 +150,23 @@ def test_kernels_table_matches_the_entry_points() -> None:
                 kinds = tuple(_PTX_KIND[t] for t in re.findall(r"\.param\s+(\.\w+)", params))
                 assert kinds == tuple(_CTYPES_KIND[t] for t in spec.args), symbol
             seen.add(symbol)
-    assert seen == set(compiler.KERNELS)
+    assert seen == set(compiler.kernel_specs())
 
 
 def test_spec_lookups() -> None:
     from lowgrad import bf16, fp16, fp32, fp64
 
     assert compiler.add_sr_spec(bf16, fp32, "bf16").symbol == "add_sr_bf16_f32_bf16"
-    assert compiler.add_sr_spec(bf16, bf16, bf16).args == compiler.ADD_SR_ARGS
+    u64, f32 = ctypes.c_uint64, ctypes.c_float
+    assert compiler.add_sr_spec(bf16, bf16, bf16).args == (u64, u64, u64, f32, u64, u64, u64)
     assert compiler.reduce_sr_spec(fp32, bf16).symbol == "reduce_sr_f32_bf16"
     s1, s2 = compiler.norm_squared_specs(bf16, fp64)
     assert (s1.symbol, s2.symbol) == ("norm_squared_bf16_f64", "norm_squared_finish_f64")
-    assert compiler.FILL_ZERO.symbol == "fill_zero_u8" and compiler.PHILOX_KAT.module == "philox_kat"
-    assert all(s.block == 256 for s in compiler.KERNELS.values())
+    assert compiler.kernel("fill_zero_u8").module == "fill_zero"
+    assert compiler.kernel("philox_kat").module == "philox_kat"
+    with pytest.raises(ValueError, match="no kernel"):
+        compiler.kernel("add_sr_f16_f16_f16")
+    assert all(s.block == 256 for s in compiler.kernel_specs().values())
     with pytest.raises(TypeError):
         compiler.add_sr_spec(fp16, bf16, bf16)
     with pytest.raises(TypeError):

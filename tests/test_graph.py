@@ -55,7 +55,7 @@ def test_guards_refuse_work_during_capture_and_name_it() -> None:
     capture.begin(g)
     try:
         lg.ops.fill_zero(t)
-        assert t._alloc in g.kept  # a kernel's tensors are held by the graph being captured
+        assert t.allocation in g.kept  # a kernel's tensors are held by the graph being captured
     finally:
         capture.end(g)
     assert capture.current() is None

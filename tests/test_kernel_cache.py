@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import lowgrad
+from lowgrad.cuda import cache as kcache
 from lowgrad.cuda import compiler
 
 SRC = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] = %s; }'
@@ -73,7 +74,7 @@ def assert_rewritten(path: Path) -> None:
     """The entry is now a private regular file of this user in the current format."""
     st = os.lstat(path)
     assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
-    assert path.read_bytes().startswith(compiler._MAGIC)
+    assert path.read_bytes().startswith(kcache._MAGIC)
 
 
 def recompiles_fill_zero(warm: Path, golden: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,
@@ -162,10 +163,10 @@ def test_unwritable_directory_compiles_with_one_warning(cache: Path, monkeypatch
     def read_only(dfd: int, stem: str) -> tuple[int, str]:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(compiler, "_create_temp", read_only)
+    monkeypatch.setattr(kcache, "_create_temp", read_only)
     with pytest.warns(RuntimeWarning, match="cannot write to the kernel cache") as got:
         cubins = lowgrad.compile_kernels("sm_90")  # six misses, compiled in parallel threads
-    assert len(got) == 1 and list(cubins) == list(compiler.MODULES)
+    assert len(got) == 1 and list(cubins) == list(compiler.modules())
     assert list(cache.iterdir()) == []
 
 
@@ -176,7 +177,7 @@ def test_damaged_entry_is_recompiled_silently(warm: Path, golden: tuple[Path, di
     """A damaged entry (a crash mid-write, a bad disk) is no attack: no warning, rewritten whole."""
     path = entry(warm, "fill_zero")
     data = path.read_bytes()
-    head = len(compiler._MAGIC) + 4 + len(compiler._source_job("fill_zero", "sm_90").header) + 32
+    head = len(kcache._MAGIC) + 4 + len(compiler._source_job("fill_zero", "sm_90").header) + 32
     path.write_bytes({"truncate": data[:len(data) // 2], "flip": data[:-1] + bytes([data[-1] ^ 1]),
                       "empty": b"", "garbage": bytes(range(256)) * 40, "header only": data[:head]}[damage])
     recompiles_fill_zero(warm, golden, monkeypatch, None)
@@ -204,8 +205,8 @@ def test_entry_for_another_nvrtc_is_not_loaded(warm: Path, golden: tuple[Path, d
     job = compiler._source_job("fill_zero", "sm_90")
     other = job.header.replace(compiler.nvrtc_identity().encode(), b"nvrtc 99.0")
     assert other != job.header
-    bad = compiler._Job(job.name, job.source, job.headers, job.options, other, job.key)
-    entry(warm, "fill_zero").write_bytes(compiler._encode(bad, golden[1]["philox_kat"]))
+    bad = kcache.Job(job.name, job.source, job.headers, job.options, other, job.key)
+    entry(warm, "fill_zero").write_bytes(kcache._encode(bad, golden[1]["philox_kat"]))
     recompiles_fill_zero(warm, golden, monkeypatch, None)
 
 
@@ -270,8 +271,8 @@ def test_oversized_entry_is_refused_unread(warm: Path, golden: tuple[Path, dict[
         read.append(len(data))
         return data
 
-    monkeypatch.setattr(compiler.os, "read", counted)
-    os.truncate(big, compiler.MAX_ENTRY_BYTES + 1)  # sparse: costs no disk
+    monkeypatch.setattr(kcache.os, "read", counted)
+    os.truncate(big, kcache.MAX_ENTRY_BYTES + 1)  # sparse: costs no disk
     recompiles_fill_zero(warm, golden, monkeypatch, "larger than 64 MiB")
     assert sum(read) == others  # every other entry whole, not one byte of the big one
 
@@ -279,7 +280,7 @@ def test_oversized_entry_is_refused_unread(warm: Path, golden: tuple[Path, dict[
 def test_entry_growing_past_the_bound_is_read_no_further(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The size checked by fstat may be stale: at most the bound plus one byte is read."""
-    monkeypatch.setattr(compiler, "MAX_ENTRY_BYTES", 1000)
+    monkeypatch.setattr(kcache, "MAX_ENTRY_BYTES", 1000)
     path = entry(warm, "fill_zero")
     real_fstat = os.fstat
 
@@ -288,10 +289,10 @@ def test_entry_growing_past_the_bound_is_read_no_further(warm: Path, golden: tup
         st[stat.ST_SIZE] = 10
         return os.stat_result(st)
 
-    monkeypatch.setattr(compiler.os, "fstat", shrunk)
+    monkeypatch.setattr(kcache.os, "fstat", shrunk)
     reads: list[int] = []
     real = os.read
-    monkeypatch.setattr(compiler.os, "read", lambda fd, n: reads.append(n) or real(fd, n))
+    monkeypatch.setattr(kcache.os, "read", lambda fd, n: reads.append(n) or real(fd, n))
     assert path.stat().st_size > 1001
     with pytest.warns(RuntimeWarning, match="larger than"):
         compiler.compile_source("fill_zero", "sm_90")
@@ -306,7 +307,7 @@ def test_two_threads_compiling_one_kernel_agree(cache: Path, monkeypatch: pytest
     real = compiler._compile
 
     def both_inside(source, name, headers, opts, ptx=False):
-        assert not compiler._memo_lock.locked()
+        assert not kcache._memo_lock.locked()
         barrier.wait()  # both threads are compiling at once: nothing serialises them
         return real(source, name, headers, opts, ptx)
 

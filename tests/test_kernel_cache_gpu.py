@@ -25,11 +25,11 @@ def test_doctor_runs_the_real_kernels_from_a_fed_cache(tmp_path: Path, monkeypat
     compiler.clear_memory_cache()
     compiler.compile_kernels(Device(0).arch)
     compiler.clear_memory_cache()
-    paths = [next(cache.glob(f"{m}-*.cubin")) for m in compiler.MODULES]
+    paths = [next(cache.glob(f"{m}-*.cubin")) for m in compiler.modules()]
     data = [p.read_bytes() for p in paths]
     for p, other in zip(paths, data[1:] + data[:1]):  # each entry now holds the next module's entry
         p.write_bytes(other)
-    add_sr = paths[compiler.MODULES.index("add_sr")]
+    add_sr = paths[compiler.modules().index("add_sr")]
     add_sr.unlink()
     os.mkfifo(add_sr, 0o600)
     out = subprocess.run([sys.executable, "-m", "lowgrad", "doctor"], capture_output=True, text=True, cwd=ROOT,

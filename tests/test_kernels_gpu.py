@@ -534,3 +534,36 @@ def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevi
     s.synchronize()
     for i, (dst, ref) in enumerate(zip(outs, want)):
         assert_bits(dst.numpy(), ref, f"multi tensor {i} n={sizes[i]} rng={seed}")
+
+
+def test_every_entry_point_read_from_the_sources_loads_with_its_block(gpu: lg.Device) -> None:
+    """The table lowgrad/cuda/abi.py reads from kernels/*.cu names functions the cubins hold, and
+    each one's block (from __launch_bounds__) is what the driver allows per block."""
+    from cuda.bindings import driver as drv
+
+    from lowgrad.cuda.compiler import kernel_specs
+
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+    for symbol, spec in kernel_specs().items():
+        k = gpu.kernels.kernel(spec)
+        err, limit = drv.cuFuncGetAttribute(attr, drv.CUfunction(k.func))
+        assert int(err) == 0 and limit == spec.block, symbol
+
+
+def test_add_sr_multi_blocks_override_gives_the_same_bits(gpu: lg.Device) -> None:
+    """CUDA's tuning knob (the multi-tensor grid) changes the launch shape, never the result."""
+    rng, seed = _rng()
+    sizes = [5, 4096 * 3 + 1, 70_003, 1 << 16] * 5  # 20 tensors: two launches
+    a = [_values(rng, n, lg.bf16) for n in sizes]
+    b = [_values(rng, n, lg.fp32) for n in sizes]
+    seeds = [int(rng.integers(0, 1 << 63)) for _ in sizes]
+    results = []
+    for blocks in (None, 1, 3, 1000):
+        items = [(d, d, _put(gpu, y, name="multi_b"), 8 * i + 1)
+                 for i, (d, y) in enumerate(zip((_put(gpu, x, name="multi_a") for x in a), b))]
+        gpu.kernels.bind_add_sr_multi(items, 0.5, (None, 0, seeds), blocks=blocks)(0)
+        gpu.synchronize()
+        results.append([d.numpy().copy() for d, *_ in items])
+    for got in results[1:]:
+        for i, (x, y) in enumerate(zip(results[0], got)):
+            assert_bits(x, y, f"tensor {i} rng={seed}")

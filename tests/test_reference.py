@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import lowgrad
+from lowgrad.sr import checks as C
 from lowgrad.sr import reference as R
 from lowgrad.sr.philox import sr_noise
 
@@ -203,11 +204,11 @@ def test_reduce_sr_bad_arguments(change, exc) -> None:
 
 
 def test_check_helpers_take_sizes_and_dtypes() -> None:
-    assert R.check_add_sr_args(5, 5, 5, "bf16", lowgrad.fp32, np.float32, 2, 7, 3) == (2.0, 7, 3)
-    assert R.check_reduce_sr_args(4, 8, lowgrad.bf16, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0) == (2, 1, 1.0, True, 0, 0)
+    assert C.check_add_sr_args(5, 5, 5, "bf16", lowgrad.fp32, np.float32, 2, 7, 3) == (2.0, 7, 3)
+    assert C.check_reduce_sr_args(4, 8, lowgrad.bf16, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0) == (2, 1, 1.0, True, 0, 0)
     with pytest.raises(ValueError):
-        R.check_add_sr_args(5, 5, 4, "bf16", "bf16", "bf16", 1.0, 0, 0)
+        C.check_add_sr_args(5, 5, 4, "bf16", "bf16", "bf16", 1.0, 0, 0)
     with pytest.raises(TypeError):
-        R.check_reduce_sr_args(4, 8, lowgrad.fp8_e4m3, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0)
+        C.check_reduce_sr_args(4, 8, lowgrad.fp8_e4m3, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0)
     with pytest.raises(TypeError):
         R.round_sr(np.zeros(3, np.float64), 0, 0, lowgrad.bf16)

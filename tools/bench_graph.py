@@ -24,13 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
-from lowgrad.core.tensor import Tensor
-
-
-def span(tensors: list[Tensor]) -> Tensor:
-    """One bf16 tensor over consecutive tensors of one allocation (a layer's gradients)."""
-    first, last = tensors[0], tensors[-1]
-    return Tensor(first.allocation, first._offset, lg.bf16, ((last.ptr + last.nbytes - first.ptr) // 2,), first.name)
+from lowgrad.core.tensor import Tensor, span
 
 
 def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, Tensor], stream: Any, m: int, M: int) -> None:
@@ -41,7 +35,7 @@ def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, Tensor], stream:
         gm.notify_non_block(s.name, stream)
     for layer in reversed(range(layout.num_layers)):
         dw, _ = gm.block_full(layer, stream)
-        d = span(list(dw.tensors()))
+        d = span(list(dw.tensors()), lg.bf16)
         lg.ops.add_sr(d, pools[0].view(0, d.numel), pools[1].view(0, d.numel), 0.5, 2 + layer, 0, stream)
         gm.notify_block(layer, stream)
     gm.end_micro_step(stream)

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lowgrad as lg  # noqa: E402
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.core.dtypes import byte
+from lowgrad.core.tensor import span
 from lowgrad.cuda.compiler import add_sr_multi_spec
 from lowgrad.sr.seeds import use_seed
 
@@ -59,12 +60,13 @@ def main() -> int:
     def add(name: str, runs: list[Callable[[int], None]]) -> None:
         variants[name] = lambda layer, s: runs[layer](s)
 
-    resident = kern.resident_blocks(kern.kernel(add_sr_multi_spec(lg.bf16, lg.bf16)).func, 256)
+    multi = add_sr_multi_spec(lg.bf16, lg.bf16)
+    resident = kern.resident_blocks(kern.kernel(multi).func, multi.block)
     fixed = [(None, 0, seeds[l]) for l in range(L)]  # the backend's form of fixed seeds (ops.check_seed_source)
     add(f"multi, resident grid ({resident // sms} x SMs)", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l])
                                                              for l in range(L)])
     for f in (1, 2, 4, 6, 8, 16, 64):
-        add(f"multi, {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l], sms * f) for l in range(L)])
+        add(f"multi, {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l], blocks=sms * f) for l in range(L)])
     counter = lg.SeedCounter(dev, 7, 0)
     counter.next_micro(0)  # micro-step 1, as the seeds above
     lanes = [2 * i for i in range(len(specs))]
@@ -122,10 +124,8 @@ def main() -> int:
         rows.append(row)
         print(f"{row['variant']:<42}{us:>9.1f} us/layer  ratio {row['ratio']:.3f}", flush=True)
     # one flat add_sr over the layer's contiguous shards (an upper bound: one tensor, no table)
-    sh0, b0 = shards[0][0], bufs[0][0]
-    n_flat = (shards[0][-1].ptr + shards[0][-1].nbytes - sh0.ptr) // 2
-    flat_sh = lg.Tensor(sh0.allocation, sh0._offset, lg.bf16, (n_flat,), "flat")
-    flat_b = lg.Tensor(b0.allocation, b0._offset, lg.bf16, (n_flat,), "flat")
+    flat_sh = span(shards[0], lg.bf16, "flat")
+    flat_b = lg.Tensor(bufs[0][0].allocation, bufs[0][0].offset, lg.bf16, (flat_sh.numel,), "flat")
     us = time_all(lambda layer, st: lg.ops.add_sr(flat_sh, flat_sh, flat_b, 1.0, 5, 0, st), False)
     rows.append({"variant": "flat add_sr (one tensor)", "us_per_layer": us, "ratio": layer_bytes / bw / (us * 1e-6)})
     print(f"{'flat add_sr (one tensor)':<42}{us:>9.1f} us/layer  ratio {rows[-1]['ratio']:.3f}")

@@ -28,16 +28,10 @@ import lowgrad as lg  # noqa: E402
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.core.dtypes import byte
 from lowgrad.core.memory import align_up
-from lowgrad.core.tensor import Tensor
+from lowgrad.core.tensor import Tensor, span
 
 RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
         ("all_to_all", True))
-
-
-def span(tensors: list[Tensor]) -> Tensor:
-    """One byte tensor covering consecutive tensors of one allocation (a layer's gradients)."""
-    first, last = tensors[0], tensors[-1]
-    return Tensor(first.allocation, first._offset, byte, (last.ptr + last.nbytes - first.ptr,), first.name)
 
 
 def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
@@ -66,7 +60,7 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             for layer in reversed(range(layout.num_layers)):
                 dw, _ = gm.block_full(layer, stream)
                 if engine_writes:
-                    dst = span(list(dw.tensors()))
+                    dst = span(list(dw.tensors()), byte)
                     lg.ops.copy(dst, pool.view(0, dst.nbytes), stream)
                 gm.notify_block(layer, stream)
             gm.end_micro_step(stream)

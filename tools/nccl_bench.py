@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OPS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
 DTYPES = ("bf16", "fp32")
 BUS_FACTOR = {"reduce_scatter": lambda n: (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-bytes", type=parse_size, default=parse_size("1M"), help="smallest buffer (default 1M)")
     ap.add_argument("--max-bytes", type=parse_size, default=parse_size("1G"), help="largest buffer (default 1G)")
     ap.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    ap.add_argument("--ops", default=",".join(COLLECTIVES), help=f"comma-separated subset of {','.join(COLLECTIVES)}")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of bf16,fp32")
     ap.add_argument("--warmup", type=int, default=5, help="untimed repeats per point (default 5)")
     ap.add_argument("--iters", type=int, default=20, help="timed repeats per point; the median is reported")
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ops = [o for o in args.ops.split(",") if o]
     dtypes = [d for d in args.dtypes.split(",") if d]
-    bad = [o for o in ops if o not in OPS] + [d for d in dtypes if d not in DTYPES]
+    bad = [o for o in ops if o not in COLLECTIVES] + [d for d in dtypes if d not in DTYPES]
     if bad or args.factor < 2 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
         ap.error(f"bad arguments: {bad or 'sizes/factor'}")
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowgrad.core.limits import U64
+
 StreamLike = Any  # None | a lowgrad stream | int | object with __cuda_stream__ / cuda_stream
 
-U64 = 1 << 64  # handles, pointers and element offsets are unsigned 64-bit values
 
 
 def stream_handle(s: StreamLike) -> int:

@@ -10,7 +10,7 @@ name: GPU-addressable memory has ``__cuda_array_interface__`` (v3); DLPack names
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,11 @@ class Tensor:
     @property
     def allocation(self) -> Allocation:
         return self._alloc
+
+    @property
+    def offset(self) -> int:
+        """Bytes from the start of :attr:`allocation` to element 0 (valid after close too)."""
+        return self._offset
 
     @property
     def closed(self) -> bool:
@@ -223,6 +228,26 @@ def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
         raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible by world {world}")
     rows = t.shape[0] // world
     return t[rank * rows:(rank + 1) * rows]
+
+
+def span(tensors: Sequence[Tensor], dtype: DType | str, name: str | None = None) -> Tensor:
+    """One 1-D ``dtype`` tensor over the bytes from the first of ``tensors`` to the end of the last
+    (e.g. a layer's gradients, packed in one allocation): the tensors share one allocation, the
+    first starts lowest and the last ends highest, and the spanned bytes hold whole ``dtype``
+    elements. Named ``name`` (default: the first tensor's name)."""
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise TypeError("span needs a non-empty sequence of lowgrad Tensors")
+    dt, first = as_dtype(dtype), tensors[0]
+    start = first.offset
+    end = max(t.offset + t.nbytes for t in tensors)
+    for t in tensors:
+        if t.allocation is not first.allocation:
+            raise ValueError(f"span: {t.name!r} is not in the allocation of {first.name!r}")
+        if t.offset < start:
+            raise ValueError(f"span: {t.name!r} starts before the first tensor {first.name!r}")
+    if (end - start) % dt.itemsize:
+        raise ValueError(f"span: {end - start} bytes are not a whole number of {dt.name} elements")
+    return Tensor(first.allocation, start, dt, ((end - start) // dt.itemsize,), name or first.name)
 
 
 class Container:

@@ -11,6 +11,7 @@ import numpy as np
 from lowgrad.core import capture, release
 from lowgrad.core.backend import DeviceBase
 from lowgrad.core.kernels import Kernels
+from lowgrad.core.limits import HOST_ALLOC_LIMIT
 from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
@@ -18,7 +19,6 @@ from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.stream import Event, Stream
 
 _CU_MEMHOSTALLOC_PORTABLE, _CU_MEMHOSTALLOC_DEVICEMAP, _CU_MEMHOSTALLOC_WRITECOMBINED = 1, 2, 4
-_HOST_LIMIT = 1 << 42  # pinned/plain host: far beyond any machine, still catches absurd sizes
 
 _tls = threading.local()
 _devices: dict[int, Device] = {}
@@ -161,7 +161,7 @@ class Device(DeviceBase):
     kernel_kinds = frozenset(kind for kind, (on_device, _) in KIND_ACCESS.items() if on_device)
 
     def memory_limit(self, kind: str) -> int:
-        return self.total_memory if kind == "device" else _HOST_LIMIT
+        return self.total_memory if kind == "device" else HOST_ALLOC_LIMIT
 
     def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
         """device: ``cuMemAlloc``; pinned/write-combined: mapped ``cuMemHostAlloc``; host:

@@ -16,24 +16,20 @@ from typing import Any
 from lowgrad.core import capture, trace
 from lowgrad.core.dtypes import DType
 from lowgrad.core.errors import ClosedError
+from lowgrad.core.kernels import Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.compiler import (
-    FILL_ZERO,
-    MULTI_CHUNK,
-    MULTI_MAX,
-    PHILOX_KAT,
-    SEED_COUNTER,
     KernelSpec,
     add_sr_multi_spec,
     add_sr_spec,
     compile_kernels,
+    constants,
+    kernel,
     norm_squared_specs,
     reduce_sr_spec,
 )
-from lowgrad.sr.seedcounter import SeedSource
 
-ELEMS_PER_THREAD = 8  # one Philox call covers 8 consecutive elements
 GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
 NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
 
@@ -97,7 +93,7 @@ class Kernel:
 
 def _counter_args(counter: Any) -> tuple[int, tuple[Any, ...]]:
     """The counter's device address (0: fixed seeds) and the allocation a bound launch must check."""
-    return (counter.tensor.ptr, (counter.tensor._alloc,)) if counter is not None else (0, ())
+    return (counter.tensor.ptr, (counter.tensor.allocation,)) if counter is not None else (0, ())
 
 
 def _check_open(allocs: tuple[Any, ...], name: str) -> None:
@@ -109,9 +105,12 @@ def _check_open(allocs: tuple[Any, ...], name: str) -> None:
         capture.keep(allocs)
 
 
-class CudaKernels:
+class CudaKernels(Kernels):
     """Every lowgrad kernel on one device; modules load at construction, functions at first use.
-    Arguments arrive checked by :mod:`lowgrad.ops`."""
+    Arguments arrive checked by :mod:`lowgrad.ops`. Launch shapes follow the sources' constants:
+    ``GROUP_ELEMS`` elements a thread, the block of ``__launch_bounds__``, at most
+    :data:`GRID_PER_SM` blocks per SM; the multi-tensor add_sr packs ``MULTI_MAX`` tensors a
+    launch in chunks of ``CHUNK_ELEMS`` (``kernels/add_sr.cu``)."""
 
     def __init__(self, device: Any) -> None:
         drv = _cuda.driver()
@@ -124,6 +123,10 @@ class CudaKernels:
         self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
         self.max_grid = device.sm_count * GRID_PER_SM
+        c = constants("add_sr")
+        self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
+        self._fill_zero, self._philox, self._seed_counter = (
+            kernel(name) for name in ("fill_zero_u8", "philox_kat", "seed_counter"))
 
     def kernel(self, spec: KernelSpec) -> Kernel:
         """The cached :class:`Kernel` for ``spec``."""
@@ -144,9 +147,15 @@ class CudaKernels:
             k = self._kernels[key] = self.kernel(spec)
         return k
 
-    def grid(self, n: int) -> int:
-        """Blocks for ``n`` elements at 8 per thread and 256 per block, capped for the grid-stride loop."""
-        g = (n + 2047) >> 11
+    def blocks(self, n: int, block: int) -> int:
+        """Blocks of ``block`` threads that give each thread one group (``GROUP_ELEMS``) of ``n``
+        elements, uncapped."""
+        per_block = block * self.group_elems
+        return (n + per_block - 1) // per_block
+
+    def grid(self, n: int, block: int) -> int:
+        """:meth:`blocks` capped at :attr:`max_grid` for the grid-stride loop."""
+        g = self.blocks(n, block)
         return g if g < self.max_grid else self.max_grid
 
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
@@ -155,7 +164,7 @@ class CudaKernels:
         k = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
         p, pa, pb = dst.ptr, a.ptr, b.ptr
         if n:
-            k.launch(self.grid(n), stream, p, pa, pb, scale, seed, index_offset, n)
+            k.launch(self.grid(n, k.block), stream, p, pa, pb, scale, seed, index_offset, n)
 
     def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                   seed: int, index_offset: int, stream: int) -> None:
@@ -163,15 +172,15 @@ class CudaKernels:
         k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
         p, ps = dst.ptr, src.ptr
         if n:
-            k.launch(self.grid(n), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset, n,
-                     0, 0, 0)
+            k.launch(self.grid(n, k.block), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset,
+                     n, 0, 0, 0)
 
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
         """``f(seed, stream)``: this add_sr with its pointers, grid and constants fixed."""
         k, n = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype)), dst.numel
-        grid, p, pa, pb, launch = self.grid(n), dst.ptr, a.ptr, b.ptr, k.launch
-        allocs = (dst._alloc, a._alloc, b._alloc)
+        grid, p, pa, pb, launch = self.grid(n, k.block), dst.ptr, a.ptr, b.ptr, k.launch
+        allocs = (dst.allocation, a.allocation, b.allocation)
 
         def run(seed: int, stream: int) -> None:
             _check_open(allocs, dst.name)
@@ -182,28 +191,32 @@ class CudaKernels:
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
                           seeds: SeedSource, blocks: int | None = None) -> Callable[[int], None]:
         """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
-        of ``a``'s dtype) in launches of up to MULTI_MAX tensors, everything packed here, once.
+        of ``a``'s dtype) in launches of up to ``MULTI_MAX`` tensors, everything packed here, once.
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
-        read on the device when the kernel runs). The grid is the resident one (``blocks`` overrides it, for tuning)."""
+        read on the device when the kernel runs). The grid is the resident one; ``blocks``
+        overrides it (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
         spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
         counter, layer, cols_seed = seeds
         counter_ptr, counter_alloc = _counter_args(counter)
         grid_max = blocks or self.resident_blocks(func, spec.block)
+        mm, chunk = self.multi_max, self.multi_chunk
         chunks = []
-        for c in range(0, len(items), MULTI_MAX):
-            part = items[c:c + MULTI_MAX]
-            k, z = Kernel(spec, func), [0] * (MULTI_MAX - len(part))
+        for c in range(0, len(items), mm):
+            part = items[c:c + mm]
             first = [0]
             for d, _, _, _ in part:
-                first.append(first[-1] + -(-d.numel // MULTI_CHUNK))
-            cols = [[t.ptr for t in column] + z for column in zip(*[item[:3] for item in part])]
-            k.pack(*cols[0], *cols[1], *cols[2], *cols_seed[c:c + len(part)], *z, *[off for *_, off in part], *z,
-                   *[d.numel for d, *_ in part], *z, *first, *[first[-1]] * len(z), len(part), scale, counter_ptr,
-                   layer)
+                first.append(first[-1] + -(-d.numel // chunk))
+            k = Kernel(spec, func)
+            k.pack(*spec.flatten({
+                "dst": [d.ptr for d, _, _, _ in part], "a": [a.ptr for _, a, _, _ in part],
+                "b": [b.ptr for _, _, b, _ in part], "seed": cols_seed[c:c + len(part)],
+                "offset": [off for *_, off in part], "n": [d.numel for d, *_ in part],
+                "first": first + [first[-1]] * (mm - len(part)), "count": len(part), "scale": scale,
+                "counter": counter_ptr, "layer": layer}))
             if first[-1]:
                 chunks.append((k, min(first[-1], grid_max)))
-        allocs = tuple(dict.fromkeys([t._alloc for item in items for t in item[:3]])) + counter_alloc
+        allocs = tuple(dict.fromkeys([t.allocation for item in items for t in item[:3]])) + counter_alloc
         name = items[0][0].name
 
         def run(stream: int) -> None:
@@ -231,7 +244,7 @@ class CudaKernels:
         counter, layer, (s,) = seed
         counter_ptr, counter_alloc = _counter_args(counter)
         k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter_ptr, layer, s)
-        grid, allocs = self.grid(n), (dst._alloc, src._alloc) + counter_alloc
+        grid, allocs = self.grid(n, spec.block), (dst.allocation, src.allocation) + counter_alloc
 
         def run(stream: int) -> None:
             _check_open(allocs, dst.name)
@@ -240,16 +253,17 @@ class CudaKernels:
         return run
 
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
-        self.kernel(SEED_COUNTER).launch(1, stream, counter.ptr, op, base, step)
+        self.kernel(self._seed_counter).launch(1, stream, counter.ptr, op, base, step)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
-        if dst.nbytes:
-            self.kernel(FILL_ZERO).launch(self.grid(max(1, dst.nbytes // 2)), stream, dst.ptr, dst.nbytes)
+        if dst.nbytes:  # a thread stores 16 bytes: GROUP_ELEMS 2-byte elements
+            k = self.kernel(self._fill_zero)
+            k.launch(self.grid(max(1, dst.nbytes // 2), k.block), stream, dst.ptr, dst.nbytes)
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         stage1, stage2 = (self.kernel(s) for s in norm_squared_specs(x.dtype, out.dtype))
         ws = self._workspace(stream, out.dtype)
-        grid = min((x.numel + 2047) >> 11, NORM_PARTIALS)
+        grid = min(self.blocks(x.numel, stage1.block), NORM_PARTIALS)
         if grid:
             stage1.launch(grid, stream, x.ptr, x.numel, ws.ptr)
         stage2.launch(1, stream, ws.ptr, grid, out.ptr, int(accumulate))
@@ -270,4 +284,5 @@ class CudaKernels:
             raise ValueError(f"philox: ctr ({ctr.nbytes} B), key ({key.nbytes} B) and out ({out.nbytes} B) "
                              "must hold n x 16, n x 8 and n x 16 bytes")
         if n:
-            self.kernel(PHILOX_KAT).launch(self.grid(n * 8), stream, ctr.ptr, key.ptr, out.ptr, n)
+            k = self.kernel(self._philox)  # one (counter, key) pair a thread
+            k.launch(min(-(-n // k.block), self.max_grid), stream, ctr.ptr, key.ptr, out.ptr, n)

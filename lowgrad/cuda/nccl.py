@@ -5,9 +5,10 @@ The library is loaded at first use (never at import) from, in order: ``LOWGRAD_N
 ``cuda-bindings`` major version first), then ``libnccl.so.2`` on the system loader path.
 
 The collective wrappers are thin: they take ints (device pointers, element counts, the
-``ncclDataType_t``/``ncclRedOp_t`` codes, the communicator handle and a ``cudaStream_t``
-handle), call NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or
-``ncclInProgress`` (7, non-blocking communicators); any other code raises
+``ncclDataType_t`` code of ``DType.nccl`` and the ``ncclRedOp_t`` code of
+:data:`lowgrad.core.collective.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
+NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or ``ncclInProgress``
+(7, non-blocking communicators); any other code raises
 :class:`~lowgrad.core.errors.NcclError` with ``ncclGetErrorString`` and ``ncclGetLastError``.
 Every call is asynchronous with respect to the host: it queues work on the given stream.
 They use the loaded library directly: call :func:`lib` first (every Communicator has).
@@ -29,8 +30,6 @@ SUCCESS, IN_PROGRESS = 0, 7
 RESULT_NAMES = ("ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
                 "ncclInvalidArgument", "ncclInvalidUsage", "ncclRemoteError", "ncclInProgress",
                 "ncclTimeout")
-# ncclRedOp_t
-SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
 UNIQUE_ID_BYTES = 128
 _UNDEF_INT = -2147483648  # NCCL_CONFIG_UNDEF_INT (INT_MIN)
 _API_MAGIC = 0xCAFEBEEF

@@ -11,11 +11,11 @@ import numpy as np
 from lowgrad.core import release
 from lowgrad.core.backend import DeviceBase, check_priority
 from lowgrad.core.kernels import Kernels
+from lowgrad.core.limits import HOST_ALLOC_LIMIT
 from lowgrad.core.memory import RawBlock, aligned_host_buffer
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
 
-_HOST_LIMIT = 1 << 42
 _ids = itertools.count()
 
 
@@ -132,7 +132,7 @@ class HostDevice(DeviceBase):
         return self._kernels
 
     def memory_limit(self, kind: str) -> int:
-        return _HOST_LIMIT
+        return HOST_ALLOC_LIMIT
 
     def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
         """Every kind is pageable CPU memory here: host-accessible only."""
@@ -141,10 +141,10 @@ class HostDevice(DeviceBase):
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         d, s = dst.allocation.host_bytes(), src.allocation.host_bytes()
-        d[dst._offset:dst._offset + dst.nbytes] = s[src._offset:src._offset + src.nbytes]
+        d[dst.offset:dst.offset + dst.nbytes] = s[src.offset:src.offset + src.nbytes]
 
     def copy_to_host(self, out: np.ndarray, src: Tensor) -> None:
-        out.reshape(-1).view(np.uint8)[:] = src.allocation.host_bytes()[src._offset:src._offset + src.nbytes]
+        out.reshape(-1).view(np.uint8)[:] = src.allocation.host_bytes()[src.offset:src.offset + src.nbytes]
 
     def copy_from_host(self, dst: Tensor, arr: np.ndarray) -> None:
         dst.numpy()[...] = arr.reshape(dst.shape)

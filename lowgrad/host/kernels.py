@@ -6,9 +6,10 @@ from collections.abc import Callable
 import numpy as np
 
 from lowgrad.core import trace
+from lowgrad.core.kernels import Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
-from lowgrad.sr.seedcounter import COUNTER_DTYPE, SeedSource, apply_op
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, apply_op
 
 
 def _seeds(source: SeedSource) -> list[int]:
@@ -22,8 +23,10 @@ def _trace(name: str, t: Tensor, stream: int) -> None:
     trace.log("kernel", name, dst=t.name, numel=t.numel, dtype=t.dtype.name, stream=hex(stream))
 
 
-class HostKernels:
-    """Arguments arrive checked by :mod:`lowgrad.ops`; each call completes before returning."""
+class HostKernels(Kernels):
+    """The :class:`~lowgrad.core.kernels.Kernels` contract on host memory, eagerly: arguments
+    arrive checked by :mod:`lowgrad.ops`; each call (and each bound launch) completes before
+    returning, whatever the stream."""
 
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
@@ -43,8 +46,8 @@ class HostKernels:
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource,
-                          blocks: int | None = None) -> Callable[[int], None]:
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource
+                          ) -> Callable[[int], None]:
         def run(stream: int) -> None:
             for (dst, a, b, off), seed in zip(items, _seeds(seeds)):
                 self.add_sr(dst, a, b, scale, seed, off, stream)
@@ -63,7 +66,7 @@ class HostKernels:
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if trace.ENABLED:
             _trace("fill_zero", dst, stream)
-        dst.allocation.host_bytes()[dst._offset:dst._offset + dst.nbytes] = 0
+        dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = 0
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         if trace.ENABLED:

@@ -70,7 +70,7 @@ class GradientManager(NonBlockGradients, ABC):
             if spec.dtype is not None and as_dtype(spec.dtype) is not self.dtype:
                 raise TypeError(f"parameter {spec.name!r} has dtype {as_dtype(spec.dtype).name}, "
                                 f"but the manager's gradient dtype is {self.dtype.name}")
-        ops.check_seed(seed, 0)
+        ops.check_seed(seed)
         step = check_step("step", step)
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")

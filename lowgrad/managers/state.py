@@ -48,7 +48,7 @@ class ManagerState:
             raise TypeError(f"state strategy must be a str, got {type(state['strategy']).__name__}")
         world, rank = integer("state world", state["world"]), integer("state rank", state["rank"])
         base_seed = integer("state base_seed", state["base_seed"])
-        ops.check_seed(base_seed, 0)
+        ops.check_seed(base_seed)
         step = check_step("state step", state["step"])
         return cls(state["strategy"], base_seed, step, rank, world)
 

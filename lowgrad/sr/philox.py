@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from lowgrad.core.limits import U64
+
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)  # round multipliers of ctr[0], ctr[2]
 W0, W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)  # key increments
 _MASK = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
-_U64 = 1 << 64
 
 
 def _words(x: npt.ArrayLike, width: int, what: str) -> np.ndarray:
@@ -52,9 +53,9 @@ def sr_noise(seed: int, start: int, n: int) -> np.ndarray:
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
             raise TypeError(f"{what} must be an int, got {type(v).__name__}")
     seed, start, n = int(seed), int(start), int(n)
-    if not 0 <= seed < _U64:
+    if not 0 <= seed < U64:
         raise ValueError(f"seed {seed} outside [0, 2**64)")
-    if n < 0 or start < 0 or start + n > _U64:
+    if n < 0 or start < 0 or start + n > U64:
         raise ValueError(f"element indices [{start}, {start + n}) outside [0, 2**64)")
     if n == 0:
         return np.zeros(0, dtype=np.uint16)

@@ -4,92 +4,24 @@
 Float32 operation order, which the kernels follow exactly: ``add_sr`` computes
 ``(float(a) + float(b)) * scale``; ``reduce_sr`` starts from ``float(dst)`` (accumulate) or
 ``+0.0``, adds ``float(src[k])`` for ``k = 0 .. n_shards - 1`` except ``skip``, then multiplies by
-``scale``. The ``check_*`` helpers validate arguments from sizes and dtypes alone, so both backends
-share them.
+``scale``. Arguments are checked by :mod:`lowgrad.sr.checks`, the rules :mod:`lowgrad.ops` applies
+too.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
+from lowgrad.core.dtypes import bf16, fp32
+from lowgrad.sr.checks import (
+    check_add_sr_args,
+    check_index_offset,
+    check_reduce_sr_args,
+    check_seed,
+    check_sr_dtype,
+)
 from lowgrad.sr.philox import sr_noise
-
-SR_DTYPES: tuple[DType, ...] = (fp32, bf16)
-_U64 = 1 << 64
-
-
-# ---- argument checks (sizes, dtypes and ints: no arrays needed) ----------------------------------
-def check_int(value: Any, what: str) -> int:
-    """``value`` as a Python int; TypeError for anything else (bool included)."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    return int(value)
-
-
-def check_sr_dtype(dtype: Any, what: str) -> DType:
-    """``dtype`` (a DType, name or numpy dtype) if the SR kernels handle it (fp32, bf16)."""
-    d = as_dtype(dtype)
-    if d not in SR_DTYPES:
-        raise TypeError(f"{what} has dtype {d.name}; expected fp32 or bf16")
-    return d
-
-
-def check_scale(scale: Any) -> float:
-    """A finite real ``scale`` as a float (the kernels receive it as float32)."""
-    if not isinstance(scale, (int, float, np.integer, np.floating)) or isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
-
-
-def check_seed(seed: Any) -> int:
-    """A seed in [0, 2**64)."""
-    s = check_int(seed, "seed")
-    if not 0 <= s < _U64:
-        raise ValueError(f"seed {s} outside [0, 2**64)")
-    return s
-
-
-def check_index_offset(index_offset: Any, n: int) -> int:
-    """An element index offset >= 0 such that the indices of ``n`` elements stay below 2**64."""
-    off = check_int(index_offset, "index_offset")
-    if off < 0 or off + n > _U64:
-        raise ValueError(f"index_offset {off} with {n} elements leaves [0, 2**64)")
-    return off
-
-
-def check_add_sr_args(n_dst: int, n_a: int, n_b: int, dst_dtype: Any, a_dtype: Any, b_dtype: Any, scale: Any,
-                      seed: Any, index_offset: Any) -> tuple[float, int, int]:
-    """Validate ``add_sr`` from element counts and dtypes; returns ``(scale, seed, index_offset)``."""
-    for d, what in ((dst_dtype, "dst"), (a_dtype, "a"), (b_dtype, "b")):
-        check_sr_dtype(d, what)
-    if not n_dst == n_a == n_b:
-        raise ValueError(f"add_sr size mismatch: dst {n_dst}, a {n_a}, b {n_b} elements")
-    return check_scale(scale), check_seed(seed), check_index_offset(index_offset, n_dst)
-
-
-def check_reduce_sr_args(n_dst: int, n_src: int, dst_dtype: Any, src_dtype: Any, n_shards: Any, skip: Any,
-                         scale: Any, accumulate: Any, seed: Any,
-                         index_offset: Any) -> tuple[int, int, float, bool, int, int]:
-    """Validate ``reduce_sr`` from element counts and dtypes; returns
-    ``(n_shards, skip, scale, accumulate, seed, index_offset)``."""
-    check_sr_dtype(dst_dtype, "dst")
-    check_sr_dtype(src_dtype, "src")
-    shards = check_int(n_shards, "n_shards")
-    if not 1 <= shards < 1 << 32:
-        raise ValueError(f"n_shards must be in [1, 2**32), got {shards}")
-    sk = check_int(skip, "skip")
-    if not -1 <= sk < shards:
-        raise ValueError(f"skip {sk} outside [-1, {shards})")
-    if n_src != shards * n_dst:
-        raise ValueError(f"reduce_sr: src has {n_src} elements, not n_shards ({shards}) x dst ({n_dst})")
-    if not isinstance(accumulate, (bool, np.bool_)) and accumulate not in (0, 1):
-        raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
-    return shards, sk, check_scale(scale), bool(accumulate), check_seed(seed), check_index_offset(index_offset, n_dst)
 
 
 def _array(x: Any, what: str) -> np.ndarray:

@@ -13,19 +13,16 @@ from typing import Any
 import numpy as np
 
 from lowgrad.core.dtypes import byte
+from lowgrad.core.limits import U32, U64
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.sr.seeds import use_seeds
 
 #: the layout of ``struct SeedCounter`` (kernels/sr.cuh)
 COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4")])
 SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
-#: what the backends' bound SR launches take (lowgrad.ops.check_seed_source makes it): (a counter,
-#: its layer, one lane per SR use) or (None, 0, one fixed seed per SR use)
-SeedSource = tuple["SeedCounter | None", int, list[int]]
-_U32, _U64 = 1 << 32, 1 << 64
 #: the largest step the counter holds; ``next_step`` from it would wrap to 0 (repeating step 0's
 #: noise), so a manager never starts step ``LAST_STEP`` (the step after it would not fit)
-LAST_STEP = _U32 - 1
+LAST_STEP = U32 - 1
 
 
 class SeedCounter:
@@ -39,7 +36,7 @@ class SeedCounter:
 
     def set(self, base_seed: int, step: int, stream: StreamLike = None) -> None:
         """Base seed ``base_seed``, step ``step``, micro-step 0 (queued on ``stream``)."""
-        if not 0 <= base_seed < _U64 or not 0 <= step < _U32:
+        if not 0 <= base_seed < U64 or not 0 <= step < U32:
             raise ValueError(f"seed counter: base seed {base_seed} must be in [0, 2**64), step {step} in [0, 2**32)")
         self._update(self.tensor, SET, base_seed, step, stream_handle(stream))
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from lowgrad.core.limits import U32, U64
+
 NON_BLOCK_LAYER = 0xFFFFFFFF
-_U32 = 1 << 32
-_U64 = 1 << 64
 
 
 def _check_int(name: str, value: object, limit: int) -> int:
@@ -45,20 +45,20 @@ def use_seeds(base_seed: int, step: npt.ArrayLike, micro_step: npt.ArrayLike, la
     their broadcast shape. Same range checks as :func:`use_seed`."""
     from lowgrad.sr.philox import philox4x32_10
 
-    base = _check_int("base_seed", base_seed, _U64)
+    base = _check_int("base_seed", base_seed, U64)
     words = []
     for name, value in (("step", step), ("micro_step", micro_step), ("layer", layer),
                         ("tensor", tensor), ("phase", phase)):
         a = np.asarray(value, dtype=object)  # exact range checks whatever the integer type
         for v in a.flat:
-            _check_int(name, v, _U32)
+            _check_int(name, v, U32)
         words.append(a)
     step_a, micro_a, layer_a, tensor_a, phase_a = words
     if any(p not in (0, 1) for p in phase_a.flat):
         raise ValueError(f"phase must be 0 or 1, got {phase!r}")
     word3 = np.asarray(2 * tensor_a + phase_a, dtype=object)
-    if any(w >= _U32 for w in word3.flat):
-        raise ValueError(f"2 * tensor + phase must be < {_U32:#x}, got tensor={tensor!r}, phase={phase!r}")
+    if any(w >= U32 for w in word3.flat):
+        raise ValueError(f"2 * tensor + phase must be < {U32:#x}, got tensor={tensor!r}, phase={phase!r}")
     counter = np.stack(np.broadcast_arrays(step_a, micro_a, layer_a, word3), axis=-1).astype(np.uint32)
     key = np.array([base & 0xFFFFFFFF, base >> 32], dtype=np.uint32)
     w = philox4x32_10(counter, key)
