@@ -18,8 +18,8 @@ def test_installed_package_finds_its_kernels_and_subpackages(tmp_path: Path) -> 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["LOWGRAD_CACHE_DIR"] = str(tmp_path / "cache")
     # every module of the source tree must import from the installed wheel
-    names = sorted(".".join(("lowgrad", *p.relative_to(REPO / "lowgrad").with_suffix("").parts)).removesuffix(".__init__")
-                   for p in (REPO / "lowgrad").rglob("*.py") if p.stem != "__main__")
+    names = sorted(".".join(("lowgrad", *p.relative_to(REPO / "lowgrad").with_suffix("").parts))
+                   .removesuffix(".__init__") for p in (REPO / "lowgrad").rglob("*.py") if p.stem != "__main__")
     code = (f"import importlib; [importlib.import_module(m) for m in {names!r}]; "
             "import lowgrad, lowgrad.cuda.compiler as c; print(lowgrad.__file__); "
             "print(c.kernel_dir()); print(sorted(lowgrad.compile_kernels('sm_90')))")
