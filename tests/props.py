@@ -116,12 +116,12 @@ sr_dtypes = st.sampled_from([lowgrad.fp32, lowgrad.bf16])
 
 def alloc_filled(dev, n, dtype, name="t", fill=0x5A):
     t = dev.alloc((n,), dtype, kind="host", name=name)
-    t.allocation.host_bytes()[t._offset:t._offset + t.nbytes] = fill
+    t.allocation.host_bytes()[t.offset:t.offset + t.nbytes] = fill
     return t
 
 
 def snapshot(*ts) -> list[bytes]:
-    return [bytes(t.allocation.host_bytes()[t._offset:t._offset + t.nbytes]) for t in ts
+    return [bytes(t.allocation.host_bytes()[t.offset:t.offset + t.nbytes]) for t in ts
             if isinstance(t, lowgrad.Tensor)]
 
 
