@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import counting_compile
 
 import lowgrad
 from lowgrad.core.errors import NvrtcError
@@ -21,19 +22,6 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LOWGRAD_CACHE_DIR", str(d))
     compiler.clear_memory_cache()
     return d
-
-
-def counting_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record the program names that really reach NVRTC."""
-    calls: list[str] = []
-    real = compiler._compile
-
-    def spy(source, name, headers, opts, ptx=False):
-        calls.append(name)
-        return real(source, name, headers, opts, ptx)
-
-    monkeypatch.setattr(compiler, "_compile", spy)
-    return calls
 
 
 def test_nvrtc_version() -> None:

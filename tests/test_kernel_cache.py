@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import counting_compile
 
 import lowgrad
 from lowgrad.cuda import cache as kcache
@@ -50,19 +51,6 @@ def warm(cache: Path, golden: tuple[Path, dict[str, bytes]]) -> Path:
     """``cache`` holding a copy of every golden entry (mode 0600, this user's)."""
     shutil.copytree(golden[0], cache)
     return cache
-
-
-def counting_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record the program names that really reach NVRTC."""
-    calls: list[str] = []
-    real = compiler._compile
-
-    def spy(source, name, headers, opts, ptx=False):
-        calls.append(name)
-        return real(source, name, headers, opts, ptx)
-
-    monkeypatch.setattr(compiler, "_compile", spy)
-    return calls
 
 
 def entry(cache: Path, module: str) -> Path:

@@ -10,24 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import Records
 
 import lowgrad as lg
 from lowgrad.core import trace
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
-def routed() -> Iterator[_Records]:
+def routed() -> Iterator[Records]:
     """A user handler on the ``lowgrad`` logger at DEBUG; level and handler restored after."""
-    logger, h = logging.getLogger("lowgrad"), _Records()
+    logger, h = logging.getLogger("lowgrad"), Records()
     level = logger.level
     logger.addHandler(h)
     logger.setLevel(logging.DEBUG)
@@ -90,7 +82,7 @@ def test_nvtx_range_is_a_context_manager_with_or_without_nvtx() -> None:
     assert ran == [1]
 
 
-def test_logger_level_routes_trace_records_to_user_handlers(routed: _Records) -> None:
+def test_logger_level_routes_trace_records_to_user_handlers(routed: Records) -> None:
     assert trace.ENABLED
     lg.run_threads(2, _host_job)
     lines = {(r.trace_kind, r.trace_name, r.threadName) for r in routed.records}  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import Records
 
 import lowgrad as lg
 from lowgrad.core import trace
@@ -15,18 +16,9 @@ from lowgrad.cuda import nccl
 pytestmark = pytest.mark.gpu
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.mark.timeout(180)
 def test_cuda_kernels_copies_and_nccl_reach_a_user_handler(gpu: lg.Device) -> None:
-    logger, h = logging.getLogger("lowgrad"), _Records()
+    logger, h = logging.getLogger("lowgrad"), Records()
     level = logger.level
     logger.addHandler(h)
     logger.setLevel(logging.DEBUG)
