@@ -1,5 +1,5 @@
 """NVRTC compilation (no GPU needed): every kernel module builds, the disk cache hits and honours
-LOWGRAD_CACHE_DIR (what it refuses: test_kernel_cache.py), compile errors carry NVRTC's log, and the kernel table
+LOWGRAD_CACHE_DIR (what it refuses: test_cache.py), compile errors carry NVRTC's log, and the kernel table
 matches the compiled entry points."""
 from __future__ import annotations
 

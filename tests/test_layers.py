@@ -120,3 +120,19 @@ def test_rules_catch_a_violation(tmp_path: Path) -> None:
     deps = _imports("host.x", p, known)
     assert deps == {"cuda.device", "core.tensor"}
     assert _layer("cuda.device") not in ALLOWED["host"]
+
+
+WHOLE = {"layers", "api", "contract", "one_definition", "gc_storm", "install", "examples", "readme", "docs"}
+
+
+def test_test_files_are_named_after_modules() -> None:
+    """``tests/test_<module>[_<topic>][_props|_gpu].py`` (``<layer>_<module>`` where two layers
+    share a module name), or one of the whole-package tests."""
+    stems = {m.split(".")[-1] for m in _modules()} | {m.replace(".", "_") for m in _modules()}
+    bad = []
+    for path in sorted((PKG.parent / "tests").glob("test_*.py")):
+        name = path.stem[len("test_"):].removesuffix("_gpu").removesuffix("_props")
+        if name in WHOLE or any(name == s or name.startswith(s + "_") for s in stems):
+            continue
+        bad.append(path.name)
+    assert not bad, f"test files named after no module: {bad}"

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from test_managers import STRATS, drive, small_layout
-from test_managers_protocol import (
+from test_protocol import (
     Fetch,
     disjoint,
     expected,

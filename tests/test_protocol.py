@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_graph import FakeGraph
+from test_replay import FakeGraph
 from test_managers import STRATS, small_layout
 
 import lowgrad as lg
@@ -23,7 +23,7 @@ Fetch = Callable[[int, int, int], set[str]]  # (rank, step, micro_step) -> the n
 
 @pytest.fixture
 def fake_capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Managers see ``holder[0]`` (a test_graph.FakeGraph) as the capture of their stream while set."""
+    """Managers see ``holder[0]`` (a test_replay.FakeGraph) as the capture of their stream while set."""
     holder: list[Any] = [None]
     monkeypatch.setattr(lg.HostDevice, "capture_of", lambda device, stream: holder[0])
     return holder
