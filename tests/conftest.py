@@ -1,8 +1,11 @@
 """Shared fixtures: GPU tests skip with the reason when there is no driver or GPU."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from lowgrad.cuda import compiler
 from lowgrad.cuda import driver as _cuda
 
 
@@ -24,3 +27,12 @@ def gpu():
     import lowgrad
 
     return lowgrad.Device(0)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh LOWGRAD_CACHE_DIR (not created yet) and an empty in-process kernel cache."""
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("LOWGRAD_CACHE_DIR", str(d))
+    compiler.clear_memory_cache()
+    return d

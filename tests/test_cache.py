@@ -38,15 +38,6 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, by
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh LOWGRAD_CACHE_DIR (not created yet) and an empty in-process cache."""
-    d = tmp_path / "kernel-cache"
-    monkeypatch.setenv("LOWGRAD_CACHE_DIR", str(d))
-    compiler.clear_memory_cache()
-    return d
-
-
-@pytest.fixture
 def warm(cache: Path, golden: tuple[Path, dict[str, bytes]]) -> Path:
     """``cache`` holding a copy of every golden entry (mode 0600, this user's)."""
     shutil.copytree(golden[0], cache)

@@ -16,14 +16,6 @@ from lowgrad.core.errors import NvrtcError
 from lowgrad.cuda import compiler
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    d = tmp_path / "kernel-cache"
-    monkeypatch.setenv("LOWGRAD_CACHE_DIR", str(d))
-    compiler.clear_memory_cache()
-    return d
-
-
 def test_nvrtc_version() -> None:
     major, minor = compiler.nvrtc_version()
     assert isinstance(major, int) and isinstance(minor, int) and major >= 12

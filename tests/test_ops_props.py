@@ -37,6 +37,19 @@ from lowgrad import ops
 from lowgrad.sr import reference as R
 
 
+def bad_sr_keywords(draw, fault: str, n: int) -> dict:
+    """The bad seed, index offset or scale keyword of ``fault`` for an SR call over ``n`` elements."""
+    if fault == "seed":
+        return {"seed": draw(bad_seeds)}
+    if fault == "offset":
+        return {"index_offset": draw(bad_offsets)}
+    if fault == "offset_sum":
+        return {"index_offset": draw(st.integers(U64 - n + 1, U64 - 1)) if n > 1 else U64}
+    if fault == "scale":
+        return {"scale": draw(bad_scales)}
+    return {}
+
+
 @st.composite
 def bad_add_sr_call(draw):
     dev = host()
@@ -52,14 +65,7 @@ def bad_add_sr_call(draw):
     if fault == "dtype":
         dts[draw(st.integers(0, 2))] = draw(non_sr_dtypes)
     dst, a, b = (alloc_filled(dev, s, d, nm) for s, d, nm in zip(sizes, dts, "dab"))
-    if fault == "seed":
-        kw["seed"] = draw(bad_seeds)
-    if fault == "offset":
-        kw["index_offset"] = draw(bad_offsets)
-    if fault == "offset_sum":
-        kw["index_offset"] = draw(st.integers(U64 - n + 1, U64 - 1)) if n > 1 else U64
-    if fault == "scale":
-        kw["scale"] = draw(bad_scales)
+    kw.update(bad_sr_keywords(draw, fault, n))
     if fault == "overlap_b":
         big = alloc_filled(dev, 2 * n, dts[0], "big")
         s = draw(st.integers(0, n - 1))
@@ -166,14 +172,7 @@ def bad_reduce_sr_call(draw):
         big = alloc_filled(dev, (shards + 1) * m, dd, "big")
         s = draw(st.integers(0, shards * m - 1))
         dst, src = big[s:s + m], big[:shards * m]
-    if fault == "seed":
-        kw["seed"] = draw(bad_seeds)
-    if fault == "offset":
-        kw["index_offset"] = draw(bad_offsets)
-    if fault == "offset_sum":
-        kw["index_offset"] = draw(st.integers(U64 - m + 1, U64 - 1)) if m > 1 else U64
-    if fault == "scale":
-        kw["scale"] = draw(bad_scales)
+    kw.update(bad_sr_keywords(draw, fault, m))
     if fault == "not_tensor":
         bad = draw(not_tensors)
         dst, src = (bad, src) if draw(st.booleans()) else (dst, bad)
