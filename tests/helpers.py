@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import stat
+from pathlib import Path
 
 import pytest
 
+from lowgrad.cuda import cache as kcache
 from lowgrad.cuda import compiler
 
 
@@ -30,3 +34,10 @@ def counting_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(compiler, "_compile", spy)
     return calls
+
+
+def assert_rewritten(path: Path) -> None:
+    """The cache entry is a private regular file of this user in the current format."""
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
+    assert path.read_bytes().startswith(kcache._MAGIC)

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import counting_compile
+from helpers import assert_rewritten, counting_compile
 
 import lowgrad
 from lowgrad.cuda import cache as kcache
@@ -47,13 +47,6 @@ def warm(cache: Path, golden: tuple[Path, dict[str, bytes]]) -> Path:
 def entry(cache: Path, module: str) -> Path:
     (path,) = cache.glob(f"{module}-*.cubin")
     return path
-
-
-def assert_rewritten(path: Path) -> None:
-    """The entry is now a private regular file of this user in the current format."""
-    st = os.lstat(path)
-    assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
-    assert path.read_bytes().startswith(kcache._MAGIC)
 
 
 def recompiles_fill_zero(warm: Path, golden: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_rewritten, counting_compile
 
 from lowgrad.cuda import compiler
 
@@ -39,4 +40,9 @@ def test_doctor_runs_the_real_kernels_from_a_fed_cache(tmp_path: Path, monkeypat
     assert any(ln.startswith("[    ok] kernel ") and "add_sr compiled for" in ln for ln in lines), out.stdout
     assert any(ln.startswith("[    ok] CUDA graph") for ln in lines), out.stdout
     assert "is not a regular file" in out.stderr  # the FIFO was refused with a warning
-    assert all(p.is_file() and p.read_bytes().startswith(compiler._MAGIC) for p in paths)
+    for p in paths:  # every entry rewritten: this process now loads them all without NVRTC
+        assert_rewritten(p)
+    calls = counting_compile(monkeypatch)
+    compiler.clear_memory_cache()
+    compiler.compile_kernels(Device(0).arch)
+    assert calls == []

@@ -468,7 +468,7 @@ def test_bad_arguments_raise_before_launch(gpu: lg.Device, host: lg.HostDevice,
         (ValueError, lambda: ops.add_sr(a, a, b, scale=math.inf)),
         (TypeError, lambda: ops.add_sr(a, a, b, stream="default")),
         (ValueError, lambda: ops.reduce_sr(a, src, 0)),
-        (ValueError, lambda: ops.reduce_sr(a, src, True)),  # type: ignore[arg-type]
+        (TypeError, lambda: ops.reduce_sr(a, src, True)),  # type: ignore[arg-type]
         (ValueError, lambda: ops.reduce_sr(a, src, 3, skip=3)),
         (ValueError, lambda: ops.reduce_sr(a, src, 3, skip=-2)),
         (ValueError, lambda: ops.reduce_sr(a, src, 2)),  # src is not n_shards x dst
