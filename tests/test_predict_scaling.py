@@ -1,0 +1,160 @@
+"""tools/predict_scaling.py (CPU, reads the committed bench JSON): it runs and writes JSON and
+Markdown, its predictions pass sanity checks that can fail, and each cited constant moves the
+prediction the way it should."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "predict_scaling.py"
+
+
+def _load_tool() -> Any:
+    spec = importlib.util.spec_from_file_location("predict_scaling", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ps = _load_tool()
+SMALL, BIG = ps.MODELS
+SHARDED = ("scatter_reduce", "all_to_all")
+
+
+@pytest.fixture(scope="module")
+def measured() -> Any:
+    a = ps.parse_args([])
+    return ps.load_measured(a.bench_kernels, a.bench_manager, a.bench_layer)
+
+
+@pytest.fixture(scope="module")
+def result(measured: Any) -> dict[str, Any]:
+    return ps.run(list(ps.MODELS), list(ps.WORLDS), measured, ps.Config())
+
+
+def row(result: dict[str, Any], model: str, lab: str, world: int) -> dict[str, Any]:
+    return ps._row(result["rows"], model, lab, world)
+
+
+def test_the_tool_runs_and_writes_json_and_markdown(tmp_path: Path) -> None:
+    out, md = tmp_path / "p.json", tmp_path / "p.md"
+    proc = subprocess.run([sys.executable, str(TOOL), "--json", str(out), "--markdown", str(md)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "assumptions that the first multi-GPU run can confirm or refute" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == len(ps.MODELS) * len(ps.WORLDS) * len(ps.RUNS)
+    assert {r["world"] for r in data["rows"]} == set(ps.WORLDS)
+    assert len(data["assumptions"]) >= 10 and all(any(ch.isdigit() for ch in a) for a in data["assumptions"])
+    text = md.read_text()
+    assert "| Qwen2.5-7B | all_to_all+offload | 8 |" in text and "confirm or refute" in text
+
+
+def test_measured_inputs_come_from_the_run9_json(measured: Any) -> None:
+    assert 4000 < measured.copy_gbps < 4500 and 50 < measured.h2d_gbps < 60
+    assert 70 < measured.pinned_sr_gbps < 100
+    assert 0 < measured.sr_fixed_us < 20 and set(measured.reduce_sr_ratio) == {4, 8}
+    assert measured.host_ms.keys() == {ps.label(s, o) for s, o in ps.RUNS}
+    # the SR model passes through the measured per-layer time
+    t = measured.layer_sr_bytes / (measured.copy_gbps * 1e6 * measured.layer_sr_ratio)
+    assert ps.add_sr_ms(measured.layer_sr_bytes, measured) == pytest.approx(t)
+
+
+def test_world_one_predicts_no_exchange(result: dict[str, Any]) -> None:
+    for r in result["rows"]:
+        if r["world"] == 1:
+            assert r["exchange_ms"] == 0 and r["exchange_wire_bytes"] == 0 and r["non_block_exchange_ms"] == 0, r
+        else:
+            assert r["exchange_ms"] > 0 and r["exchange_wire_bytes"] > 0, r
+
+
+def test_shard_bytes_fall_and_wire_bytes_stay_below_the_layer(result: dict[str, Any]) -> None:
+    """Per rank, scatter_reduce's shard (and its SR traffic) falls as 1/W; the bytes a rank sends in
+    the ring reduce-scatter are (W-1)/W of the layer: they rise with W but never reach the layer."""
+    for model in ps.MODELS:
+        rs = [row(result, model, "scatter_reduce", w) for w in ps.WORLDS]
+        assert all(a["shard_bytes"] > b["shard_bytes"] for a, b in itertools.pairwise(rs))
+        assert all(a["sr_ms"] > b["sr_ms"] for a, b in itertools.pairwise(rs))
+        assert all(r["exchange_wire_bytes"] < r["layer_bytes"] for r in rs)
+        assert rs[-1]["exchange_wire_bytes"] == rs[-1]["layer_bytes"] * 7 // 8
+
+
+def test_hidden_fraction_and_exposed_time_are_bounded(result: dict[str, Any]) -> None:
+    for r in result["rows"]:
+        assert 0.0 <= r["hidden"] <= 1.0 and 0.0 <= r["steady_hidden"] <= 1.0, r
+        assert -1e-12 <= r["exposed_ms"] <= r["manager_ms"] + 1e-12, r
+        assert 0.0 <= r["hbm_share"] < 1.0, r
+
+
+def test_7b_is_slower_than_1_5b(result: dict[str, Any]) -> None:
+    for w in ps.WORLDS:
+        for s, o in ps.RUNS:
+            a, b = row(result, SMALL, ps.label(s, o), w), row(result, BIG, ps.label(s, o), w)
+            assert b["engine_ms"] > a["engine_ms"] and b["backward_ms"] > a["backward_ms"]
+            assert b["manager_ms"] > a["manager_ms"] or a["manager_ms"] == b["manager_ms"] == 0  # unsharded, W 1
+
+
+def test_offload_is_slower(result: dict[str, Any]) -> None:
+    for model in ps.MODELS:
+        for w in ps.WORLDS:
+            for s in SHARDED:
+                dev, off = row(result, model, s, w), row(result, model, s + "+offload", w)
+                assert off["sr_ms"] > dev["sr_ms"] and off["manager_ms"] > dev["manager_ms"]
+                assert off["exposed_ms"] >= dev["exposed_ms"]
+
+
+def test_timeline_follows_the_two_buffers() -> None:
+    assert ps.timeline_ms(28, 1.0, 0.0, 2) == pytest.approx(28.0)
+    assert ps.timeline_ms(28, 1.0, 0.5, 2) == pytest.approx(28.5)  # hidden but the last layer's tail
+    assert ps.timeline_ms(3, 1.0, 10.0, 2) == pytest.approx(31.0)  # comm-bound: first backward + 3 exchanges
+    # two buffers hold the engine back when the exchange is slow; one buffer per layer does not
+    assert ps.timeline_ms(4, 1.0, 3.0, 2) == ps.timeline_ms(4, 1.0, 3.0, None) == pytest.approx(13.0)
+
+
+def _predict(measured: Any, cfg: Any, strategy: str, world: int = 8, model: str = SMALL,
+             offload: bool = False) -> dict[str, Any]:
+    return ps.predict(model, ps.lg.llama_layout(model), strategy, offload, world, measured, cfg)
+
+
+def test_cited_constants_move_the_prediction(measured: Any) -> None:
+    base = ps.Config()
+    rs0, a2a0 = _predict(measured, base, "scatter_reduce"), _predict(measured, base, "all_to_all")
+    faster = replace(base, rs_busbw_gbps=2 * base.rs_busbw_gbps)
+    assert _predict(measured, faster, "scatter_reduce")["exchange_ms"] < rs0["exchange_ms"]
+    assert _predict(measured, faster, "all_to_all")["exchange_ms"] == a2a0["exchange_ms"]
+    p2p = replace(base, p2p_gbps=2 * base.p2p_gbps)
+    assert _predict(measured, p2p, "all_to_all")["exchange_ms"] < a2a0["exchange_ms"]
+    slow = replace(base, latency_us=base.latency_us + 10)
+    assert _predict(measured, slow, "scatter_reduce")["exchange_ms"] == pytest.approx(rs0["exchange_ms"] + 0.010)
+    assert _predict(measured, slow, "all_to_all")["exchange_ms"] == pytest.approx(a2a0["exchange_ms"] + 7 * 0.010)
+    weak = replace(base, mfu=base.mfu / 2)  # a slower engine: longer backward, more of the manager hidden
+    rs_weak = _predict(measured, weak, "scatter_reduce")
+    assert rs_weak["backward_ms"] == pytest.approx(2 * rs0["backward_ms"]) and rs_weak["hidden"] >= rs0["hidden"]
+    few = replace(base, tokens=256)  # too few tokens: the exchange no longer hides
+    assert _predict(measured, few, "scatter_reduce")["exposed_ms"] > rs0["exposed_ms"]
+    off0 = _predict(measured, base, "scatter_reduce", offload=True)
+    off_dram = _predict(measured, replace(base, host_dram_gbps=base.host_dram_gbps / 4), "scatter_reduce", offload=True)
+    assert off_dram["sr_ms"] > off0["sr_ms"]
+    assert _predict(measured, replace(base, nccl_sms=0), "scatter_reduce")["engine_slowdown_ms"] == 0
+
+
+def test_world_one_reproduces_the_manager_bench(result: dict[str, Any]) -> None:
+    """The single-GPU calibration: the model of bench_manager's copy engine against its run-9 time."""
+    for b in result["bench_manager"]:
+        if b["world"] == 1:
+            assert 0.85 <= b["predicted_ms"] / b["measured_ms"] <= 1.02, b
+
+
+def test_worlds_that_do_not_divide_the_layout_are_refused(measured: Any) -> None:
+    with pytest.raises(ValueError, match="not divisible"):
+        _predict(measured, ps.Config(), "scatter_reduce", world=3)
