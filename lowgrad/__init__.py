@@ -37,6 +37,7 @@ from lowgrad.cuda.communicator import Communicator
 from lowgrad.cuda.compiler import compile_kernels
 from lowgrad.cuda.device import Device, device_count
 from lowgrad.cuda.graph import Graph
+from lowgrad.cuda.loopback import LoopbackCommunicator
 from lowgrad.cuda.stream import Event, Stream
 from lowgrad.host.communicator import HostCommunicator
 from lowgrad.host.device import HostDevice, HostEvent, HostStream
@@ -51,7 +52,7 @@ __all__ = [
     "Device", "HostDevice", "Stream", "Event", "HostStream", "HostEvent", "Tensor", "Container",
     "LazyAllocator", "MemoryReport", "DType", "fp32", "bf16", "fp16", "fp8_e4m3", "byte", "fp64",
     "from_numpy", "shard_view", "stream_handle", "device_count", "ops", "reference", "nccl",
-    "philox4x32_10", "compile_kernels", "Communicator", "HostCommunicator", "run_threads", "from_env",
+    "philox4x32_10", "compile_kernels", "Communicator", "LoopbackCommunicator", "HostCommunicator", "run_threads", "from_env",
     "ParamSpec", "Layout", "llama_layout", "create_gradient_manager", "GradientManager", "Graph",
     "SeedCounter", "use_seed",
     "LowgradError", "CudaError", "CudaUnavailableError", "NvrtcError", "NcclError", "NcclLibraryError",

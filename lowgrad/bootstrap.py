@@ -5,11 +5,13 @@ backend by name.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from lowgrad.core.backend import DeviceBase
 from lowgrad.core.collective import CommBase, check_timeout
 from lowgrad.core.errors import CommAbortedError
 from lowgrad.core.rendezvous import launcher_env, unique_id_from_env
@@ -18,13 +20,18 @@ _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the
 
 
 def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
-                timeout: float | None = None) -> list[Any]:
+                timeout: float | None = None, share_gpu: Any = False) -> list[Any]:
     """Run ``fn(comm)`` on ranks ``0 .. world-1``, one thread each, and return the results in
     rank order.
 
     ``backend="host"``: a :class:`~lowgrad.HostDevice` and :class:`~lowgrad.HostCommunicator` per
     rank. ``backend="cuda"``: rank r drives ``Device(r)`` with a :class:`~lowgrad.Communicator`
-    (one shared unique id); ``world`` above the GPU count is a ValueError. Communicators are
+    (one shared unique id); ``world`` above the GPU count is a ValueError. ``share_gpu=True``
+    (CUDA only; or the :class:`~lowgrad.Device` to share) puts every rank on ``Device(0)`` with a
+    :class:`~lowgrad.cuda.loopback.LoopbackCommunicator` instead: each rank has its own
+    streams, events and allocations, and the collectives run as device copies and reduction
+    kernels ordered on the device (a test and development vehicle for world > 1 on one GPU;
+    results equal the host backend's bit for bit). Communicators are
     closed when ``fn`` returns. An exception in any rank aborts every other rank's
     communicator and is re-raised here (its notes name the rank); ranks that do not unwind
     within a few seconds of the failure are left behind as daemon threads.
@@ -34,8 +41,13 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
         raise ValueError(f"world must be a positive int, got {world!r}")
     if backend not in ("host", "cuda"):
         raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")
+    if share_gpu is not False and backend != "cuda":
+        raise ValueError("share_gpu=True needs backend='cuda' (host ranks share the CPU already)")
     limit = check_timeout(timeout)
-    make = _host_factory(world, limit) if backend == "host" else _cuda_factory(world, limit)
+    if backend == "host":
+        make = _host_factory(world, limit)
+    else:
+        make = _cuda_factory(world, limit) if share_gpu is False else _loopback_factory(world, limit, share_gpu)
 
     failed = threading.Event()
     comms: list[CommBase | None] = [None] * world
@@ -114,6 +126,28 @@ def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event]
         dev = Device(rank)
         dev.activate()
         return Communicator(rank, world, uid, dev, timeout, abort_event=failed)
+    return make
+
+
+def _loopback_factory(world: int, timeout: float, share: Any) -> Callable[[int, threading.Event], CommBase]:
+    from lowgrad.cuda.device import Device
+    from lowgrad.cuda.loopback import LoopbackCommunicator, LoopbackGroup
+
+    dev: DeviceBase
+    if share is True:
+        # one hardware queue per stream: ranks that wait on each other on the device must not
+        # queue behind each other (read when the CUDA context is created)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+        dev = Device(0)
+    elif isinstance(share, DeviceBase):
+        dev = share
+    else:
+        raise TypeError(f"share_gpu must be True, False or a lowgrad Device, got {share!r}")
+    group = LoopbackGroup(dev, world, timeout)
+
+    def make(rank: int, _failed: threading.Event) -> CommBase:
+        dev.activate()
+        return LoopbackCommunicator(rank, group, timeout)
     return make
 
 

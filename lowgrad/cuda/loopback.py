@@ -1,0 +1,456 @@
+"""The loopback communicator: every rank of :func:`lowgrad.run_threads` on one GPU
+(``share_gpu=True``), with the interface and the semantics of the NCCL
+:class:`~lowgrad.cuda.communicator.Communicator`.
+
+It is a test and development vehicle: a one-GPU machine (or a laptop with one GPU) runs an
+engine at world 2..64 through the whole CUDA path — each rank with its own streams, events and
+allocations — so a missing event wait between an engine's stream, a manager's communication
+stream and the copy engines shows up as a wrong result before the code meets a multi-GPU node.
+All ranks share one GPU's memory bandwidth, so it says nothing about multi-GPU speed.
+
+How ranks meet: a collective is three steps queued on the caller's stream, ordered only on
+the device (no host synchronisation, so CUDA-graph capture works as with NCCL):
+
+1. ``loopback_sync``: publish this rank's buffer addresses in a device table, count this rank's
+   arrival, wait on the device until every rank has arrived at the same collective;
+2. device copies (``loopback_copy``) or a reduction (``loopback_reduce_*``) that reads the
+   peers' buffers through the table and writes only this rank's own memory;
+3. ``loopback_sync`` again: every rank has finished reading before any rank goes on and reuses
+   its buffers.
+
+Reductions (the one order, so results equal the host backend's bit for bit): the ranks'
+values are combined in rank order 0, 1, .., world-1 in float32 (float64 for fp64), ``avg``
+multiplies that sum by ``float32(1/world)``, and the result is rounded once to the tensor's
+dtype (round to nearest even); byte tensors wrap as uint8 (``avg``: integer division). This is
+:func:`lowgrad.host.collective.host_reduce`, computed on the GPU.
+
+Failures surface in bounded time: a sync waits at most ``timeout`` seconds for a peer (then
+CommTimeoutError), stops at once when a rank aborts (``abort()``, or ``run_threads`` after an
+exception in any rank: CommAbortedError) or left (``close()``: CommAbortedError naming it); the
+error is recorded in pinned memory, every later loopback kernel does nothing, and
+:meth:`LoopbackCommunicator.wait` raises it. Ranks that disagree on a collective (call, dtype,
+element count, op) raise ValueError on the host before anything is queued.
+
+Debugging aid: ``LOWGRAD_LOOPBACK_JITTER_US=N`` delays each sync on the device by a random
+0..N µs (a random pause per rank and collective), to shake out missing dependencies.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lowgrad.core import capture, trace
+from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
+from lowgrad.core.dtypes import bf16, byte, fp16, fp32, fp64
+from lowgrad.core.errors import CommAbortedError, CommTimeoutError
+from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.core.tensor import Tensor
+from lowgrad.cuda.compiler import constants, kernel
+from lowgrad.cuda.kernels import Kernel
+
+_C = constants("loopback")
+PTRS = _C["LB_PTRS"]  # addresses one sync publishes per rank
+MAX_WORLD = _C["LB_MAX_WORLD"]
+_REDUCE = {bf16: "loopback_reduce_bf16", fp16: "loopback_reduce_fp16", fp32: "loopback_reduce_fp32",
+           fp64: "loopback_reduce_fp64", byte: "loopback_reduce_byte"}
+_ERRORS = {_C["LB_ERR_TIMEOUT"]: (CommTimeoutError, "timed out waiting for rank {peer}"),
+           _C["LB_ERR_ABORTED"]: (CommAbortedError, "stopped: the communicator was aborted"),
+           _C["LB_ERR_LEFT"]: (CommAbortedError, "stopped: rank {peer} left the communicator (close())")}
+_POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls of wait() (doubling)
+
+
+class LoopbackGroup:
+    """What the ``world`` ranks on ``device`` share: the arrival counters and address table (device
+    memory), the status words (mapped pinned memory: abort request, first error, ranks that
+    left), and the host-side check that ranks agree on each collective."""
+
+    def __init__(self, device: Any, world: int, timeout: float | None = None) -> None:
+        if not callable(getattr(getattr(device, "kernels", None), "kernel", None)):
+            raise TypeError(f"the loopback communicator needs a device that launches CUDA kernels (a lowgrad.Device), "
+                            f"got {device!r}")
+        if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
+        self.device, self.world, self.timeout = device, world, check_timeout(timeout)
+        device.activate()
+        self._counters = device.alloc((world * world,), fp64, name="loopback_counters")  # u64 words
+        # u64 addresses: [world][PTRS] for collectives, then [world][world][PTRS] for sends
+        self._table = device.alloc((world * PTRS * (1 + world),), fp64, name="loopback_table")
+        self._status_t = device.alloc((_C["LB_STATUS"],), fp32, kind="pinned", name="loopback_status")
+        if not self._status_t.allocation.host_accessible:
+            raise TypeError(f"{device!r} gives no host-accessible pinned memory for the loopback status words")
+        self.status = self._status_t.numpy().view(np.uint32)  # u32 words, shared with the kernels
+        self.status[:] = 0
+        device.copy_from_host(self._counters, np.zeros(world * world, np.float64))
+        self.counters, self.table, self.status_ptr = self._counters.ptr, self._table.ptr, self._status_t.ptr
+        jitter = os.environ.get("LOWGRAD_LOOPBACK_JITTER_US", "")
+        self.jitter_ns = int(float(jitter) * 1000) if jitter else 0
+        self._lock = threading.Lock()
+        self._seq = [0] * world
+        self._calls: dict[int, list[Any]] = {}  # seq -> [signature, first rank, ranks checked]
+        self._p2p: dict[tuple[int, int], deque[tuple[bool, tuple[Any, ...]]]] = {}  # unmatched sends/receives
+
+    def agree(self, rank: int, signature: tuple[Any, ...]) -> None:
+        """Compare this rank's next collective with the first rank's at the same position;
+        ValueError (and the group aborted) when they differ."""
+        with self._lock:
+            seq = self._seq[rank]
+            self._seq[rank] = seq + 1
+            entry = self._calls.get(seq)
+            if entry is None:
+                entry = self._calls[seq] = [signature, rank, 0]
+            entry[2] += 1
+            if entry[2] == self.world:
+                del self._calls[seq]
+            first, first_rank = entry[0], entry[1]
+        if signature != first:
+            self.abort()
+            raise ValueError(f"loopback collective #{seq}: rank {rank} calls {signature}, rank {first_rank} "
+                             f"called {first}; ranks must make the same calls in the same order")
+
+    def match(self, src: int, dst: int, is_send: bool, signature: tuple[Any, ...]) -> None:
+        """Pair a send ``src -> dst`` with the receive at the same position; ValueError (and
+        the group aborted) when dtype or size differ."""
+        with self._lock:
+            q = self._p2p.setdefault((src, dst), deque())
+            if q and q[0][0] != is_send:
+                other = q.popleft()[1]
+            else:
+                q.append((is_send, signature))
+                return
+        if other != signature:
+            self.abort()
+            raise ValueError(f"loopback send {src} -> {dst}: the send is {(other if not is_send else signature)}, "
+                             f"the receive {(signature if not is_send else other)} (dtype, elements); they must match")
+
+    def abort(self) -> None:
+        """Stop every rank's pending and later loopback kernels (CommAbortedError in wait)."""
+        self.status[_C["LB_ABORT"]] = 1
+
+    def leave(self, rank: int) -> None:
+        self.status[_C["LB_LEFT"] + rank] = 1
+
+    def error(self, rank: int) -> Exception | None:
+        """The recorded device-side failure as the exception ``rank`` raises, or None."""
+        code = int(self.status[_C["LB_ERROR"]])
+        if not code:
+            return None
+        cls, what = _ERRORS.get(code, (CommAbortedError, "failed (error {code})"))
+        waiter, peer = int(self.status[_C["LB_WAITER"]]), int(self.status[_C["LB_PEER"]])
+        return cls(f"loopback communicator: rank {waiter} " + what.format(peer=peer, code=code)
+                   + f"; every rank's loopback work stops (seen by rank {rank})")
+
+
+class LoopbackCommunicator(CommBase):
+    """Rank ``rank`` of ``group.world`` ranks sharing one GPU through ``group`` (a
+    :class:`LoopbackGroup`); ``timeout`` (seconds, ``inf``: no limit; default the group's)
+    bounds each device-side wait for a peer and :meth:`wait`."""
+
+    def __init__(self, rank: int, group: LoopbackGroup, timeout: float | None = None) -> None:
+        if not isinstance(group, LoopbackGroup):
+            raise TypeError(f"group must be a LoopbackGroup, got {type(group).__name__}")
+        self._init_base(rank, group.world, group.device, check_timeout(timeout, group.timeout))
+        self.shared = group
+        kernels = group.device.kernels
+        self._kernels: dict[str, Kernel] = {}
+        for name in ("loopback_sync", "loopback_copy", "loopback_delay", *_REDUCE.values()):
+            spec = kernel(name)
+            self._kernels[name] = Kernel(spec, kernels.kernel(spec).func)  # own argument buffers
+        self._grid = kernels.grid
+        self._scale = (float(np.float32(1.0 / self.world)), 1.0 / self.world)  # avg: float32(1/W), fp64: 1/W
+        self._timeout_ns = 0 if self.timeout == float("inf") else int(self.timeout * 1e9)
+        self._rng = random.Random(rank)
+        self._everyone = (1 << self.world) - 1
+        self._queue: list[Callable[[], None]] = []
+        self._p2p: list[tuple[bool, Tensor, int, int]] = []  # a group's (is_send, tensor, peer, stream)
+        self._done = group.device.event(name=f"loopback_done{rank}")  # after this rank's last collective
+        self._done_recorded = False
+
+    # ---- plumbing ----------------------------------------------------------------------
+    def _check_open(self, call: str) -> None:
+        super()._check_open(call)
+        err = self.shared.error(self.rank)
+        if err is not None:
+            self._state = "aborted"
+            raise err
+
+    def _check_memory(self, call: str, t: Tensor) -> None:
+        if t.kind not in self.device.kernel_kinds:
+            raise ValueError(f"{call}: tensor {t.name!r} is {t.kind} memory, which the GPU cannot access")
+        capture.keep_tensors(t)  # a graph being captured holds the buffers its kernels use
+
+    def _stream(self, stream: StreamLike) -> int:
+        if stream is None and self._group is not None:
+            return stream_handle(self._group.stream)
+        return stream_handle(stream)
+
+    def _run(self, call: str, signature: tuple[Any, ...], h: int, work: Callable[[int], None],
+             t: Tensor | None = None, count: int = 0, **fields: Any) -> None:
+        """Check agreement, then queue ``work(h)`` now (or at the group's end)."""
+        self.shared.agree(self.rank, (call, *signature))
+        if trace.ENABLED and t is not None:
+            trace.log("collective", call, rank=self.rank, tensor=t.name, count=count, dtype=t.dtype.name,
+                      stream=hex(h), loopback=True, **fields)
+        if self._group is not None:
+            self._group.scheduled += 1
+            self._queue.append(lambda: work(h))
+        else:
+            work(h)
+            self._mark(h)
+
+    def _mark(self, h: int) -> None:
+        self._done.record(h)
+        self._done_recorded = True
+
+    def _sync(self, h: int, ptrs: Sequence[int] = (), entries: Sequence[int] | None = None,
+              peers: int | None = None) -> None:
+        """Meet ``peers`` (a bit mask; default every rank) on the device after publishing
+        ``ptrs`` at table ``entries`` (default: this rank's collective row)."""
+        g = self.shared
+        if g.jitter_ns:
+            self._kernels["loopback_delay"].launch(1, h, self._rng.randrange(g.jitter_ns + 1))
+        if entries is None:
+            entries = range(self.rank * PTRS, self.rank * PTRS + len(ptrs))
+        pad = (0,) * (PTRS - len(ptrs))
+        self._kernels["loopback_sync"].launch(1, h, g.counters, g.table, g.status_ptr, *ptrs, *pad, *entries, *pad,
+                                              self._everyone if peers is None else peers, len(ptrs), self.rank,
+                                              self.world, self._timeout_ns)
+
+    def _copy(self, h: int, dst: int, entry: int, src_offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from the address published at table ``entry`` (+ ``src_offset``) to ``dst``."""
+        if nbytes:
+            g = self.shared
+            self._kernels["loopback_copy"].launch(self._grid(-(-nbytes // 16), 256), h, g.table, g.status_ptr, dst,
+                                                  src_offset, nbytes, entry)
+
+    def _reduce(self, h: int, t: Tensor, slot: int, offset: int, n: int, code: int) -> None:
+        if n:
+            g = self.shared
+            self._kernels[_REDUCE[t.dtype]].launch(self._grid(n, 256), h, g.table, g.status_ptr, t.ptr, offset, n,
+                                                   slot, self.world, code, self._scale[t.dtype is fp64])
+
+    def _reducible(self, call: str, t: Tensor) -> None:
+        if t.dtype not in _REDUCE:
+            raise TypeError(f"{call}: the loopback communicator reduces {sorted(d.name for d in _REDUCE)}, "
+                            f"not {t.dtype.name}")
+
+    # ---- collectives (asynchronous, on `stream`) ---------------------------------------
+    def reduce_scatter(self, t: Tensor, op: str = "avg", stream: StreamLike = None) -> None:
+        """In place: ``t`` is the full buffer; afterwards ``shard_view(t, rank, world)`` (flat
+        elements ``[rank*n, (rank+1)*n)``, n = numel/world) holds the ``avg`` or ``sum``."""
+        count, code = self._rs_args(t, op)
+        self._reducible("reduce_scatter", t)
+
+        def work(h: int) -> None:
+            self._sync(h, (t.ptr,))
+            self._reduce(h, t, 0, self.rank * count, count, code)
+            self._sync(h)
+        self._run("reduce_scatter", (t.dtype.name, t.numel, op), self._stream(stream), work, t, count, op=op)
+
+    def all_gather(self, t: Tensor, out: Tensor | None = None, stream: StreamLike = None) -> None:
+        """In place (``t`` full, own shard already at ``shard_view(t, rank, world)``) or from
+        shard ``t`` into ``out`` (``world * t.numel`` elements, rank order)."""
+        shard, full = self._ag_args(t, out)
+        nbytes = shard.nbytes
+
+        def work(h: int) -> None:
+            self._sync(h, (shard.ptr,))
+            for q in range(self.world):
+                if q != self.rank or out is not None:
+                    self._copy(h, full.ptr + q * nbytes, q * PTRS, 0, nbytes)
+            self._sync(h)
+        self._run("all_gather", (shard.dtype.name, shard.numel), self._stream(stream), work, shard, shard.numel)
+
+    def all_reduce(self, t: Tensor, op: str = "sum", stream: StreamLike = None) -> None:
+        """In place: every rank's ``t`` becomes the ``sum``, ``avg`` or ``max`` over ranks (each
+        rank reduces its part of the elements, then gathers the others' parts)."""
+        code = self._ar_args(t, op)
+        self._reducible("all_reduce", t)
+        n, W, size = t.numel, self.world, t.dtype.itemsize
+        bounds = [n * r // W for r in range(W + 1)]
+
+        def work(h: int) -> None:
+            self._sync(h, (t.ptr,))
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            self._reduce(h, t, 0, lo, hi - lo, code)
+            self._sync(h)
+            for q in range(W):
+                if q != self.rank:
+                    self._copy(h, t.ptr + bounds[q] * size, q * PTRS, bounds[q] * size,
+                               (bounds[q + 1] - bounds[q]) * size)
+            self._sync(h)
+        self._run("all_reduce", (t.dtype.name, t.numel, op), self._stream(stream), work, t, t.numel, op=op)
+
+    def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
+        """Send ``t`` to ``peer`` (paired with the peer's :meth:`recv`; inside :meth:`group`
+        when both sides also receive). Up to PTRS sends to one peer per group."""
+        self._point("send", True, t, peer, stream)
+
+    def recv(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
+        """Receive ``t.numel`` elements from ``peer`` into ``t`` (same dtype and size as the
+        matching send, else ValueError on the later of the two ranks)."""
+        self._point("recv", False, t, peer, stream)
+
+    def _point(self, call: str, is_send: bool, t: Tensor, peer: int, stream: StreamLike) -> None:
+        peer = self._p2p_args(call, t, peer)
+        same = sum(1 for s, _, p, _ in self._p2p if s == is_send and p == peer)
+        if same >= PTRS:
+            raise ValueError(f"{call}: at most {PTRS} {call}s to one peer in one group")
+        h = self._stream(stream)
+        src, dst = (self.rank, peer) if is_send else (peer, self.rank)
+        self.shared.match(src, dst, is_send, (t.dtype.name, t.numel))
+        if trace.ENABLED:
+            trace.log("collective", call, rank=self.rank, tensor=t.name, count=t.numel, dtype=t.dtype.name,
+                      stream=hex(h), peer=peer, loopback=True)
+        self._p2p.append((is_send, t, peer, h))
+        if self._group is not None:
+            self._group.scheduled += 1
+        else:
+            self._flush_p2p()
+
+    def _flush_p2p(self) -> None:
+        """A group's sends and receives: one meeting with every peer involved (publishing the
+        sends), the receives' copies, a second meeting (the receivers have read)."""
+        ops, self._p2p = self._p2p, []
+        if not ops:
+            return
+        W, r, base = self.world, self.rank, self.world * PTRS
+        peers, ptrs, entries = 0, [], []
+        k: dict[tuple[bool, int], int] = {}  # messages so far per (direction, peer)
+        for is_send, t, peer, _ in ops:
+            peers |= 1 << peer
+            if is_send:
+                i = k[(True, peer)] = k.get((True, peer), -1) + 1
+                ptrs.append(t.ptr)
+                entries.append(base + (r * W + peer) * PTRS + i)
+        h = ops[0][3]
+        last = max(len(ptrs) - 1, 0) // PTRS * PTRS  # publish in chunks; the last one meets the peers
+        for start in range(0, last + 1, PTRS):
+            self._sync(h, ptrs[start:start + PTRS], entries[start:start + PTRS], peers if start == last else 0)
+        for is_send, t, peer, _ in ops:
+            if not is_send:
+                i = k[(False, peer)] = k.get((False, peer), -1) + 1
+                self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
+        self._sync(h, peers=peers)
+        self._mark(h)
+
+    def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
+        """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps (each step a
+        sync, then this rank pulls its slot of every buffer from the step's peer)."""
+        ns = [self._a2a_args(t) for t in tensors]
+        h = self._stream(stream)
+        W, r = self.world, self.rank
+        for c in range(0, len(tensors), PTRS):  # a sync publishes up to PTRS addresses
+            part = list(zip(tensors[c:c + PTRS], ns[c:c + PTRS]))
+
+            def work(h: int, part: list[tuple[Tensor, int]] = part) -> None:
+                self._sync(h, [t.ptr for t, _ in part])
+                for d, (_, _, recv_peer, recv_slot) in enumerate(all_to_all_schedule(r, W)):
+                    if d:
+                        self._sync(h, [t.ptr for t, _ in part])
+                    for i, (t, n) in enumerate(part):
+                        slot_bytes = n * t.dtype.itemsize
+                        self._copy(h, t.ptr + recv_slot * slot_bytes, recv_peer * PTRS + i, r * slot_bytes, slot_bytes)
+                self._sync(h)
+            self._run("all_to_all", tuple((t.dtype.name, t.numel) for t, _ in part), h, work, part[0][0],
+                      part[0][1], buffers=len(part))
+
+    # ---- groups ------------------------------------------------------------------------
+    def _group_begin(self, g: Group) -> None:
+        self._group_open(g)
+        self._queue = []
+
+    def _group_end(self, g: Group, failed: bool) -> None:
+        """Queue the group's collectives in call order (each one sync-work-sync), then record
+        ``g.event`` on the group's stream."""
+        queue, self._queue, self._group, self._group_depth = self._queue, [], None, 0
+        if failed:
+            self._p2p = []
+            if g.scheduled:
+                self.abort()
+            return
+        for work in queue:
+            work()
+        self._flush_p2p()
+        h = stream_handle(g.stream)
+        self._mark(h)
+        g.event.record(g.stream)
+
+    # ---- host-side helpers (blocking) --------------------------------------------------
+    def host_allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` in rank order, on every rank (through a device all-gather on
+        the default stream; blocking, bounded by ``timeout``)."""
+        self._check_open("host_allgather")
+        self._check_not_grouped("host_allgather")
+        data = self._check_bytes("host_allgather", data)
+        sizes = [int.from_bytes(x, "little") for x in self._gather_fixed(len(data).to_bytes(8, "little"), 8)]
+        blobs = self._gather_fixed(data, max(max(sizes), 1))
+        return [b[:n] for b, n in zip(blobs, sizes)]
+
+    def _gather_fixed(self, data: bytes, size: int) -> list[bytes]:
+        buf = self.device.alloc((size * self.world,), byte, name="loopback_host_allgather")
+        try:
+            host = np.zeros(size * self.world, np.uint8)
+            host[self.rank * size:self.rank * size + len(data)] = np.frombuffer(data, np.uint8)
+            self.device.copy_from_host(buf, host)
+            self.all_gather(buf, stream=0)
+            self.wait(0)
+            out = buf.numpy().tobytes()
+        finally:
+            buf.close()
+        return [out[r * size:(r + 1) * size] for r in range(self.world)]
+
+    def barrier(self) -> None:
+        """Return once every rank has reached the barrier (a device sync and a wait)."""
+        self._check_open("barrier")
+        self._check_not_grouped("barrier")
+        self._run("barrier", (), 0, lambda h: self._sync(h))
+        self.wait(0)
+
+    def wait(self, what: Any = None, timeout: float | None = None) -> None:
+        """Block until ``what`` (an Event, a Stream, a raw stream handle, or None for the
+        default stream) has completed, watching the group's status: a device-side timeout, an
+        abort or a departed peer raise (CommTimeoutError / CommAbortedError); ``timeout``
+        seconds (default: the communicator's) passing aborts the group and raises."""
+        limit = check_timeout(timeout, self.timeout)
+        self._check_open("wait")
+        capture.forbid("LoopbackCommunicator.wait (a host sync)")
+        self.device.activate()
+        target = what if hasattr(what, "query") else self.device.resolve_stream(what)
+        deadline, pause = time.monotonic() + limit, _POLL_MIN
+        while not target.query():
+            self._check_open("wait")
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommTimeoutError(f"wait: rank {self.rank} of {self.world} (loopback) did not complete within "
+                                       f"{limit:g} s; communicator aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX)
+        self._check_open("wait")
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop every rank's loopback work (safe from any thread; idempotent): pending device
+        waits end, later calls and waits raise CommAbortedError."""
+        if self._state == "open":
+            self._state = "aborted"
+            self.shared.abort()
+
+    def close(self) -> None:
+        """Wait (bounded by ``timeout``) until this rank's queued collectives have run, then leave:
+        peers that wait for this rank from now on raise CommAbortedError naming it."""
+        if self._state != "open":
+            return
+        try:
+            if self._done_recorded:
+                self.wait(self._done)
+        finally:
+            if self._state == "open":
+                self._state = "closed"
+                self.shared.leave(self.rank)

@@ -1,0 +1,134 @@
+"""The loopback communicator without a GPU: its kernels interpreted in Python on host memory.
+
+:class:`SimDevice` is a host device whose kernel table also "launches" the loopback kernels of
+``kernels/loopback.cu``: each launch runs at once on the calling rank thread (a sync blocks that
+thread until its peers arrive, as the kernel blocks its stream). That is one legal schedule of
+the device work, so it checks the communicator's protocol — the meetings, the table entries, the
+copy and reduction arguments, the all-to-all schedule, sends and receives, aborts, timeouts and
+departures — but not stream ordering (the GPU tests do). ``patch(monkeypatch)`` swaps the
+launcher in :mod:`lowgrad.cuda.loopback`; ``run(world, fn)`` runs ranks through
+``lowgrad.run_threads(..., share_gpu=SimDevice())``.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lowgrad as lg
+from lowgrad.cuda import loopback
+from lowgrad.cuda.compiler import constants
+from lowgrad.host.collective import host_reduce
+from lowgrad.host.device import HostDevice
+from lowgrad.host.kernels import HostKernels
+
+C = constants("loopback")
+OPS = {C["LB_SUM"]: "sum", C["LB_MAX"]: "max", C["LB_AVG"]: "avg"}
+REDUCE_DTYPES = {"loopback_reduce_bf16": lg.bf16, "loopback_reduce_fp16": lg.fp16, "loopback_reduce_fp32": lg.fp32,
+                 "loopback_reduce_fp64": lg.fp64, "loopback_reduce_byte": lg.byte}
+
+
+def words(ptr: int, n: int, ctype: Any = ctypes.c_uint64) -> np.ndarray:
+    return np.ctypeslib.as_array((ctype * n).from_address(ptr))
+
+
+def word(ptr: int, i: int) -> int:
+    return ctypes.c_uint64.from_address(ptr + 8 * i).value
+
+
+def sync(a: dict[str, Any]) -> None:
+    status = words(a["status"], C["LB_STATUS"], ctypes.c_uint32)
+    if status[C["LB_ERROR"]]:
+        return
+    W, r = a["world"], a["rank"]
+    for p, e in zip(a["ptrs"][:a["nptrs"]], a["entries"][:a["nptrs"]]):
+        ctypes.c_uint64.from_address(a["table"] + 8 * e).value = p
+    counters = words(a["counters"], W * W)
+    peers = [q for q in range(W) if q != r and (a["peers"] >> q) & 1]
+    mine = {}
+    for q in peers:
+        counters[r * W + q] += 1  # only rank r writes this word
+        mine[q] = int(counters[r * W + q])
+    t0 = time.monotonic()
+    for q in peers:
+        while counters[q * W + r] < mine[q]:
+            fail = (C["LB_ERR_ABORTED"] if status[C["LB_ABORT"]] else C["LB_ERR_LEFT"] if status[C["LB_LEFT"] + q]
+                    else C["LB_ERR_TIMEOUT"] if a["timeout_ns"] and time.monotonic() - t0 > a["timeout_ns"] / 1e9
+                    else 0)
+            if status[C["LB_ERROR"]]:
+                return
+            if fail:
+                status[C["LB_ERROR"]], status[C["LB_WAITER"]], status[C["LB_PEER"]] = fail, r, q
+                return
+            time.sleep(2e-4)
+
+
+def copy(a: dict[str, Any]) -> None:
+    if not words(a["status"], C["LB_STATUS"], ctypes.c_uint32)[C["LB_ERROR"]]:
+        ctypes.memmove(a["dst"], word(a["table"], a["entry"]) + a["src_offset"], a["nbytes"])
+
+
+def reduce(dtype: lg.DType, a: dict[str, Any]) -> None:
+    if words(a["status"], C["LB_STATUS"], ctypes.c_uint32)[C["LB_ERROR"]]:
+        return
+    size, n = dtype.itemsize, a["n"]
+
+    def view(ptr: int) -> np.ndarray:
+        return words(ptr + a["offset"] * size, n * size, ctypes.c_uint8).view(dtype.np)
+    srcs = [view(word(a["table"], q * loopback.PTRS + a["slot"])).copy() for q in range(a["world"])]
+    view(a["dst"])[:] = host_reduce(srcs, OPS[a["op"]], a["world"], dtype)
+
+
+class SimKernel:
+    """Stands in for :class:`lowgrad.cuda.kernels.Kernel`: runs the launch at once."""
+
+    def __init__(self, spec: Any, func: Any) -> None:
+        self.spec = spec
+
+    def launch(self, grid: int, stream: int, *args: Any) -> None:
+        a, i = {}, 0
+        for p in self.spec.params:
+            a[p.name] = args[i] if p.count == 1 else list(args[i:i + p.count])
+            i += p.count
+        name = self.spec.symbol
+        if name == "loopback_sync":
+            sync(a)
+        elif name == "loopback_copy":
+            copy(a)
+        elif name == "loopback_delay":
+            time.sleep(a["ns"] / 1e9)
+        else:
+            reduce(REDUCE_DTYPES[name], a)
+
+
+class SimKernels(HostKernels):
+    """The host kernels, plus what the loopback communicator asks of a CUDA kernel table."""
+
+    def kernel(self, spec: Any) -> Any:
+        return self  # the launcher only takes `.func`
+
+    func = 0
+
+    def grid(self, n: int, block: int) -> int:
+        return 1
+
+
+class SimDevice(HostDevice):
+    """A host device whose kernel table also runs the loopback kernels."""
+
+    @property
+    def kernels(self) -> SimKernels:
+        if self._kernels is None:
+            self._kernels = SimKernels()
+        return self._kernels
+
+
+def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loopback, "Kernel", SimKernel)
+
+
+def run(world: int, fn: Any, timeout: float = 30) -> list[Any]:
+    return lg.run_threads(world, fn, backend="cuda", share_gpu=SimDevice("sim"), timeout=timeout)
