@@ -103,11 +103,11 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
 
 
 def _host_factory(world: int, timeout: float) -> Callable[[int, threading.Event], CommBase]:
-    from lowgrad.host.collective import HostCollective
+    from lowgrad.core.threads import ThreadCollective
     from lowgrad.host.communicator import HostCommunicator
     from lowgrad.host.device import HostDevice
 
-    collective = HostCollective(world, timeout)
+    collective = ThreadCollective(world, timeout)
     return lambda rank, _failed: HostCommunicator(rank, world, collective, HostDevice(f"host{rank}"), timeout)
 
 

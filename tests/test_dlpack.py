@@ -9,7 +9,7 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.core import dlpack, release
-from lowgrad.host.collective import HostCollective
+from lowgrad.core.threads import ThreadCollective
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_view_outlives_close(host: lg.HostDevice) -> None:
 
 def test_manager_close_keeps_exported_views(host: lg.HostDevice) -> None:
     layout = lg.Layout(block=[lg.ParamSpec("w", (8, 4))], non_block=[lg.ParamSpec("emb", (6, 4))], num_layers=2)
-    comm = lg.HostCommunicator(0, 1, HostCollective(1), host)
+    comm = lg.HostCommunicator(0, 1, ThreadCollective(1), host)
     gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", dtype="fp32")
     s = host.stream()
     gm.start_micro_step(s, 0, 1)

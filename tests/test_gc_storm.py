@@ -12,7 +12,7 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.core import dlpack, release
-from lowgrad.host.collective import HostCollective
+from lowgrad.core.threads import ThreadCollective
 
 LAYOUT = lg.Layout(block=[lg.ParamSpec("w", (8, 4)), lg.ParamSpec("b", (8,))],
                    non_block=[lg.ParamSpec("emb", (6, 4))], num_layers=2)
@@ -36,7 +36,7 @@ def _worker(dev: lg.HostDevice, seed: int, rounds: int, errors: list[BaseExcepti
             if i % 3 == 0:
                 t.close()  # the view still holds the memory
             if i % 10 == 0:
-                comm = lg.HostCommunicator(0, 1, HostCollective(1), dev)
+                comm = lg.HostCommunicator(0, 1, ThreadCollective(1), dev)
                 gm = lg.create_gradient_manager(LAYOUT, comm, strategy=("unsharded", "scatter_reduce")[i % 2],
                                                 dtype="fp32")
                 cyc: list[object] = [gm, comm]

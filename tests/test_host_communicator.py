@@ -16,7 +16,8 @@ from lowgrad.core.collective import (
     all_to_all_skip,
     all_to_all_source,
 )
-from lowgrad.host.collective import HostCollective, host_reduce
+from lowgrad.core.threads import ThreadCollective
+from lowgrad.host.collective import host_reduce
 from lowgrad.host.communicator import HostCommunicator
 
 WORLDS = [1, 2, 3, 4, 8]
@@ -251,7 +252,7 @@ def test_recv_size_mismatch():
 
 
 def make_comms(world: int, timeout: float = 5.0):
-    coll = HostCollective(world, timeout)
+    coll = ThreadCollective(world, timeout)
     return [HostCommunicator(r, world, coll, lg.HostDevice()) for r in range(world)]
 
 
@@ -385,8 +386,8 @@ BAD_TIMEOUTS = [(float("nan"), ValueError), (-1.0, ValueError), (0, ValueError),
 @pytest.mark.parametrize("bad,exc", BAD_TIMEOUTS)
 def test_bad_timeout_is_rejected_before_any_work(bad, exc):
     with pytest.raises(exc, match="timeout"):
-        HostCollective(2, bad)
-    coll = HostCollective(2, 5)
+        ThreadCollective(2, bad)
+    coll = ThreadCollective(2, 5)
     with pytest.raises(exc, match="timeout"):
         HostCommunicator(0, 2, coll, lg.HostDevice(), timeout=bad)
     ran = []
@@ -401,7 +402,7 @@ def test_bad_timeout_is_rejected_before_any_work(bad, exc):
 def test_timeout_none_is_the_default():
     from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout
 
-    assert HostCollective(2, None).timeout == DEFAULT_TIMEOUT
+    assert ThreadCollective(2, None).timeout == DEFAULT_TIMEOUT
     assert make_comms(1, timeout=2)[0].timeout == 2.0  # None on the communicator: the collective's
     assert check_timeout(None, 7.0) == 7.0 and check_timeout(np.float32(0.5)) == 0.5 and check_timeout(3) == 3.0
 

@@ -1,5 +1,5 @@
 """The host backend's communicator: ``world`` threads of one process exchanging numpy memory
-through a shared :class:`HostCollective` rendezvous, with the semantics of the NCCL
+through a shared :class:`ThreadCollective` rendezvous, with the semantics of the NCCL
 :class:`~lowgrad.cuda.communicator.Communicator`.
 
 Streams are eager: every call has completed when it returns (``group()`` runs its calls at
@@ -22,7 +22,8 @@ from lowgrad.core import trace
 from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
-from lowgrad.host.collective import HostCollective, host_reduce
+from lowgrad.core.threads import ThreadCollective
+from lowgrad.host.collective import host_reduce
 from lowgrad.host.device import HostDevice
 
 
@@ -31,12 +32,12 @@ class HostCommunicator(CommBase):
     :class:`~lowgrad.HostDevice`, a new one when omitted). ``timeout`` (seconds, ``inf`` for no
     limit) bounds every rendezvous (default: the collective's)."""
 
-    def __init__(self, rank: int, world: int, collective: HostCollective, device: HostDevice | None = None,
+    def __init__(self, rank: int, world: int, collective: ThreadCollective, device: HostDevice | None = None,
                  timeout: float | None = None) -> None:
-        if not isinstance(collective, HostCollective):
-            raise TypeError(f"collective must be a HostCollective, got {type(collective).__name__}")
+        if not isinstance(collective, ThreadCollective):
+            raise TypeError(f"collective must be a ThreadCollective, got {type(collective).__name__}")
         if collective.world != world:
-            raise ValueError(f"world {world} does not match the HostCollective's world {collective.world}")
+            raise ValueError(f"world {world} does not match the ThreadCollective's world {collective.world}")
         device = HostDevice() if device is None else device
         if getattr(device, "backend", None) != "host":
             raise TypeError(f"HostCommunicator needs a HostDevice, got {device!r}")

@@ -1,0 +1,139 @@
+"""Ranks as threads of one process: :class:`ThreadCollective`, the rendezvous and mailboxes the
+``world`` threads of one group share. The host backend's communicator exchanges its data through
+it; the CUDA loopback communicator uses it so that ranks on one GPU queue a collective only once
+every rank has called it.
+
+Failures never hang: an abort wakes every waiting rank with
+:class:`~lowgrad.core.errors.CommAbortedError`; a rank that left makes every rank that waits for
+it, then or later, raise CommAbortedError naming it at once (what it posted before leaving is
+still delivered); a rank that does not arrive within the timeout (``inf``: no limit) gives
+:class:`~lowgrad.core.errors.CommTimeoutError` in every waiting rank.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout, wait_slice
+from lowgrad.core.errors import CommAbortedError, CommTimeoutError
+
+_MISSING = object()
+
+
+class ThreadCollective:
+    """The rendezvous shared by the ``world`` communicators of one group of threads.
+
+    ``exchange`` is an all-to-all of Python objects (every rank gets every rank's item);
+    ``post``/``take`` are unbounded FIFO mailboxes per (source, destination, tag). ``timeout``
+    (seconds, ``inf`` for no limit, None for the default) is the default of the communicators.
+    """
+
+    def __init__(self, world: int, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise ValueError(f"world must be a positive int, got {world!r}")
+        self.world, self.timeout = world, check_timeout(timeout)
+        self._cv = threading.Condition()
+        self._seq = [0] * world
+        self._slots: dict[int, list[Any]] = {}  # seq -> [items, arrived, read]
+        self._mail: dict[tuple[int, int, str], deque[Any]] = {}
+        self._failure: tuple[type[Exception], str] | None = None
+        self._left: set[int] = set()  # ranks that closed their communicator
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def abort(self, reason: str, exc_type: type[Exception] = CommAbortedError) -> None:
+        """Fail every pending and later call of every rank with ``exc_type(reason)``."""
+        with self._cv:
+            if self._failure is None:
+                self._failure = (exc_type, reason)
+            self._cv.notify_all()
+
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` closed its communicator: it will deposit and post nothing more. A rank
+        waiting for it (an exchange it never joined, an empty mailbox from it) fails the
+        collective with CommAbortedError naming it, now or when it gets there."""
+        with self._cv:
+            self._left.add(rank)
+            self._cv.notify_all()
+
+    def _check_left(self, waiter: int, ranks: list[int], what: str) -> None:
+        """Fail the collective when one of ``ranks`` (those ``waiter`` waits for) has left."""
+        gone = [r for r in ranks if r in self._left]
+        if gone:
+            self._fail(CommAbortedError, f"host collective: rank {waiter} waits for {what} of rank(s) {gone}, "
+                       "which left the communicator (close()); aborted")
+
+    def _raise_failure(self) -> None:
+        cls, msg = self._failure  # type: ignore[misc]
+        raise cls(msg)
+
+    def _fail(self, exc_type: type[Exception], msg: str) -> None:
+        """Fail the collective for every rank and raise (the condition's lock is held)."""
+        if self._failure is None:
+            self._failure = (exc_type, msg)
+        self._cv.notify_all()
+        self._raise_failure()
+
+    def exchange(self, rank: int, item: Any, timeout: float) -> list[Any]:
+        """Deposit ``item`` and return all ``world`` items in rank order once every rank has."""
+        with self._cv:
+            if self._failure is not None:
+                self._raise_failure()
+            seq = self._seq[rank]
+            self._seq[rank] = seq + 1
+            entry = self._slots.get(seq)
+            if entry is None:
+                entry = self._slots[seq] = [[_MISSING] * self.world, 0, 0]
+            entry[0][rank] = item
+            entry[1] += 1
+            if entry[1] == self.world:
+                self._cv.notify_all()
+            deadline = time.monotonic() + timeout
+            while entry[1] < self.world:
+                if self._failure is not None:
+                    self._raise_failure()
+                if self._left:
+                    self._check_left(rank, _missing(entry[0]), f"collective #{seq}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(CommTimeoutError, f"host collective: rank {rank} waited {timeout:g} s for rank(s) "
+                               f"{_missing(entry[0])} at collective #{seq}; aborted")
+                self._cv.wait(wait_slice(left))
+            items = entry[0]
+            entry[2] += 1
+            if entry[2] == self.world:
+                del self._slots[seq]
+            return items
+
+    def post(self, src: int, dst: int, tag: str, item: Any) -> None:
+        """Queue ``item`` from ``src`` for ``dst`` (never blocks)."""
+        with self._cv:
+            if self._failure is not None:
+                self._raise_failure()
+            self._mail.setdefault((src, dst, tag), deque()).append(item)
+            self._cv.notify_all()
+
+    def take(self, src: int, dst: int, tag: str, timeout: float) -> Any:
+        """The next item ``src`` posted for ``dst``; waits at most ``timeout`` seconds."""
+        with self._cv:
+            q = self._mail.setdefault((src, dst, tag), deque())
+            deadline = time.monotonic() + timeout
+            while not q:
+                if self._failure is not None:
+                    self._raise_failure()
+                if self._left:
+                    self._check_left(dst, [src], "a message")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(CommTimeoutError, f"host collective: rank {dst} waited {timeout:g} s for a message "
+                               f"from rank {src}; aborted")
+                self._cv.wait(wait_slice(left))
+            return q.popleft()
+
+
+def _missing(items: list[Any]) -> list[int]:
+    return [r for r, x in enumerate(items) if x is _MISSING]
