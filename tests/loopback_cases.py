@@ -2,12 +2,19 @@
 (test_loopback.py), each compared with the host backend bit for bit."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import lowgrad as lg
 from lowgrad.core.collective import all_to_all_skip
+
+_spec = importlib.util.spec_from_file_location("race_hunt", Path(__file__).parents[1] / "tools" / "race_hunt.py")
+race_hunt = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(race_hunt)  # type: ignore[union-attr]
+train = race_hunt.train  # the engine job the race hunter runs, without its pauses
 
 
 def data(rank: int, n: int, dtype: lg.DType, k: int = 0) -> np.ndarray:
@@ -69,3 +76,10 @@ def collectives(comm: Any) -> list[np.ndarray]:
         slots[skip] = 0  # no peer's data there: unspecified
         out.append(slots)
     return out
+
+
+def layout8(layers: int = 3) -> lg.Layout:
+    """A small layout whose every dim 0 splits over 1, 2, 4 and 8 ranks (zero-init biases)."""
+    block = [lg.ParamSpec("w1", (16, 6)), lg.ParamSpec("b1", (16,), zero_init=True), lg.ParamSpec("w2", (40, 3))]
+    return lg.Layout(block=block, non_block=[lg.ParamSpec("emb", (24, 4)), lg.ParamSpec("norm", (8,))],
+                     num_layers=layers)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from loopback_cases import assert_bits, collectives, put
+from loopback_cases import assert_bits, collectives, layout8, put, train
 from loopback_sim import SimDevice, patch, run
 from test_managers import STRATS, drive, small_layout
 
@@ -39,12 +39,19 @@ def test_managers_equal_the_host_backend(world: int, strategy: str, offload: boo
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("strategy,offload", STRATS)
+def test_engine_job_equals_the_host_backend_at_world_8(strategy: str, offload: bool) -> None:
+    job = train(layout8(), strategy, offload, 3, 2)
+    for a, b in zip(run(8, job), lg.run_threads(8, job, backend="host")):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_disagreeing_ranks_raise_on_the_host() -> None:
     def job(comm: Any) -> None:
         t = put(comm, np.ones(8 * (1 + comm.rank), np.float32), lg.fp32, "t")
         comm.all_reduce(t, "sum")
         comm.wait()
-    with pytest.raises(ValueError, match="ranks must make the same calls"):
+    with pytest.raises(ValueError, match="ranks disagree"):
         run(2, job)
 
     def p2p(comm: Any) -> None:
@@ -53,7 +60,7 @@ def test_disagreeing_ranks_raise_on_the_host() -> None:
             comm.send(t, 1)
         else:
             comm.recv(t, 0)
-    with pytest.raises(ValueError, match="they must match"):
+    with pytest.raises(ValueError, match="each send must match its receive"):
         run(2, p2p)
 
 
@@ -73,14 +80,14 @@ def test_failures_end_in_bounded_time() -> None:
         if comm.rank == 0:
             t = put(comm, np.ones(8, np.float32), lg.fp32, "t")
             try:
-                comm.all_reduce(t, "sum")  # the sim waits here, as the GPU's stream would
+                comm.all_reduce(t, "sum")  # waits for rank 1's thread here
                 comm.wait(timeout=60)
             except lg.CommTimeoutError as exc:
                 return str(exc)
             return "no error"
         time.sleep(1.5)
         return ""
-    assert "timed out waiting for rank 1" in run(2, late, timeout=0.5)[0]
+    assert "waited 0.5 s for rank(s) [1]" in run(2, late, timeout=0.5)[0]
 
     def leaver(comm: Any) -> str:
         comm.barrier()
@@ -88,7 +95,7 @@ def test_failures_end_in_bounded_time() -> None:
             comm.close()
             return ""
         t = put(comm, np.ones(8, np.float32), lg.fp32, "t")
-        with pytest.raises(lg.CommAbortedError, match="rank 1 left"):
+        with pytest.raises(lg.CommAbortedError, match=r"rank\(s\) \[1\], which left"):
             comm.all_reduce(t, "sum")
             comm.wait()
         with pytest.raises(lg.CommAbortedError):

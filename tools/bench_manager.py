@@ -9,6 +9,11 @@ the bytes the engine and manager must move, and the ratio floor/time where the f
 bytes at the device-to-device copy bandwidth measured in the same run (for offload: the shard
 traffic at the pinned H2D + D2H bandwidth). Prints a table, writes JSON.
 
+With ``--share-gpu --world N`` every rank runs on the one GPU through the loopback communicator:
+all ranks share one HBM, so the floor is the sum of all ranks' bytes at the copy bandwidth, and
+the exchange is device traffic too (a reduce-scatter reads the layer once and writes its shard;
+an all-to-all reads and writes (N-1)/N of the layer), counted in the floor.
+
     PYTHONPATH=. python3 tools/bench_manager.py --config Qwen2.5-1.5B --json $OUT/bench_manager.json
 """
 from __future__ import annotations
@@ -35,7 +40,7 @@ RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), 
 
 
 def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
-          bw: dict[str, float], engine_writes: bool = True) -> dict[str, Any]:
+          bw: dict[str, float], engine_writes: bool = True, shared: bool = False) -> dict[str, Any]:
     dev, world = comm.device, comm.world
     gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1)
     stream = dev.stream()
@@ -78,11 +83,15 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
     if strategy == "all_to_all" and world > 1:
         shard_traffic += (world + 1) * B // world
+    if shared and world > 1:  # the loopback's exchange is HBM traffic of this GPU
+        shard_traffic += 2 * (world - 1) * B // world if strategy == "all_to_all" else B + B // world
     if offload:  # the shard's read and write cross PCIe (one each way); the own slice is on the device
         pcie = (2 if strategy == "scatter_reduce" or world == 1 else 4) * B // world
         floor_s = max((engine + shard_traffic - pcie) / bw["d2d"], pcie / (bw["h2d"] + bw["d2h"]))
     else:
         floor_s = (engine + shard_traffic) / bw["d2d"]
+    if shared:
+        floor_s *= world  # every rank's bytes go through the one GPU
     rep = gm.memory_report().as_dict()
     gm.close()
     pool.close()
@@ -101,6 +110,8 @@ def main() -> int:
     p.add_argument("--micro-steps", type=int, default=6)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--strategies", default="all", help="comma list of strategy[+offload], or all")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="all ranks on one GPU through the loopback communicator (floor: all ranks' bytes)")
     p.add_argument("--manager-only", action="store_true",
                    help="the engine writes nothing (gradients keep the pool's first values): the manager's "
                         "own exchange and SR traffic against its own floor")
@@ -110,7 +121,7 @@ def main() -> int:
     dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
     bw = copy_bandwidths(dev, 1 << 31 if args.backend == "cuda" else 1 << 26)
     print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
-          f"world {args.world}, {args.backend}; copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
+          f"world {args.world}{' on one GPU (loopback)' if args.share_gpu else ''}, {args.backend}; copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")
     wanted = None if args.strategies == "all" else set(args.strategies.split(","))
     results = []
@@ -120,8 +131,8 @@ def main() -> int:
             continue
         try:
             out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
-                                                              args.steps, bw, not args.manager_only),
-                                 backend=args.backend)
+                                                              args.steps, bw, not args.manager_only, args.share_gpu),
+                                 backend=args.backend, share_gpu=args.share_gpu)
             results.append(out[0])
         except Exception as exc:  # report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")
@@ -135,7 +146,7 @@ def main() -> int:
               f"{r['host_ms_per_micro']:>9.3f}{r['bytes_per_micro'] / 1e9:>10.2f}{dev_mib:>12.0f}{pin_mib:>12.0f}")
     print("target: scatter_reduce at world 1 >= 0.90 of the floor")
     with open(args.json, "w") as f:
-        json.dump({"config": args.config, "world": args.world, "ceilings": bw, "results": results,
+        json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw, "results": results,
                    "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)
     return 0
 

@@ -64,7 +64,7 @@ class ThreadCollective:
         """Fail the collective when one of ``ranks`` (those ``waiter`` waits for) has left."""
         gone = [r for r in ranks if r in self._left]
         if gone:
-            self._fail(CommAbortedError, f"host collective: rank {waiter} waits for {what} of rank(s) {gone}, "
+            self._fail(CommAbortedError, f"thread collective: rank {waiter} waits for {what} of rank(s) {gone}, "
                        "which left the communicator (close()); aborted")
 
     def _raise_failure(self) -> None:
@@ -100,7 +100,7 @@ class ThreadCollective:
                     self._check_left(rank, _missing(entry[0]), f"collective #{seq}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._fail(CommTimeoutError, f"host collective: rank {rank} waited {timeout:g} s for rank(s) "
+                    self._fail(CommTimeoutError, f"thread collective: rank {rank} waited {timeout:g} s for rank(s) "
                                f"{_missing(entry[0])} at collective #{seq}; aborted")
                 self._cv.wait(wait_slice(left))
             items = entry[0]
@@ -129,7 +129,7 @@ class ThreadCollective:
                     self._check_left(dst, [src], "a message")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._fail(CommTimeoutError, f"host collective: rank {dst} waited {timeout:g} s for a message "
+                    self._fail(CommTimeoutError, f"thread collective: rank {dst} waited {timeout:g} s for a message "
                                f"from rank {src}; aborted")
                 self._cv.wait(wait_slice(left))
             return q.popleft()

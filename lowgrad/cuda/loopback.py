@@ -8,8 +8,13 @@ allocations — so a missing event wait between an engine's stream, a manager's 
 stream and the copy engines shows up as a wrong result before the code meets a multi-GPU node.
 All ranks share one GPU's memory bandwidth, so it says nothing about multi-GPU speed.
 
-How ranks meet: a collective is three steps queued on the caller's stream, ordered only on
-the device (no host synchronisation, so CUDA-graph capture works as with NCCL):
+How ranks meet: first the ranks' threads meet on the host (:class:`ThreadCollective`; the
+ranks' calls are compared there), so no rank queues work that waits for a peer which has not
+queued its part yet — a rank may block in a device-wide synchronize between collectives
+without deadlocking the others. Then the collective is three steps queued on the caller's
+stream, ordered only on the device (the host never waits for the GPU inside a collective, so
+CUDA-graph capture works as with NCCL; each replay of a captured graph meets the threads first
+too):
 
 1. ``loopback_sync``: publish this rank's buffer addresses in a device table, count this rank's
    arrival, wait on the device until every rank has arrived at the same collective;
@@ -24,12 +29,13 @@ multiplies that sum by ``float32(1/world)``, and the result is rounded once to t
 dtype (round to nearest even); byte tensors wrap as uint8 (``avg``: integer division). This is
 :func:`lowgrad.host.collective.host_reduce`, computed on the GPU.
 
-Failures surface in bounded time: a sync waits at most ``timeout`` seconds for a peer (then
-CommTimeoutError), stops at once when a rank aborts (``abort()``, or ``run_threads`` after an
-exception in any rank: CommAbortedError) or left (``close()``: CommAbortedError naming it); the
-error is recorded in pinned memory, every later loopback kernel does nothing, and
-:meth:`LoopbackCommunicator.wait` raises it. Ranks that disagree on a collective (call, dtype,
-element count, op) raise ValueError on the host before anything is queued.
+Failures surface in bounded time: the threads' meeting and each device-side wait last at most
+``timeout`` seconds (then CommTimeoutError naming the missing rank), and stop at once when a
+rank aborts (``abort()``, or ``run_threads`` after an exception in any rank: CommAbortedError)
+or left (``close()``: CommAbortedError naming it). A device-side failure is recorded in pinned
+memory, every later loopback kernel does nothing, and :meth:`LoopbackCommunicator.wait` raises
+it. Ranks that disagree on a collective (call, dtype, element count, op), or a send and its
+receive, all raise the same ValueError before anything is queued.
 
 Debugging aid: ``LOWGRAD_LOOPBACK_JITTER_US=N`` delays each sync on the device by a random
 0..N µs (a random pause per rank and collective), to shake out missing dependencies.
@@ -38,9 +44,7 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +56,7 @@ from lowgrad.core.dtypes import bf16, byte, fp16, fp32, fp64
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
+from lowgrad.core.threads import ThreadCollective
 from lowgrad.cuda.compiler import constants, kernel
 from lowgrad.cuda.kernels import Kernel
 
@@ -69,7 +74,7 @@ _POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls of wait() (doubling)
 class LoopbackGroup:
     """What the ``world`` ranks on ``device`` share: the arrival counters and address table (device
     memory), the status words (mapped pinned memory: abort request, first error, ranks that
-    left), and the host-side check that ranks agree on each collective."""
+    left), and the threads' meeting point where ranks agree on each collective before queuing it."""
 
     def __init__(self, device: Any, world: int, timeout: float | None = None) -> None:
         if not callable(getattr(getattr(device, "kernels", None), "kernel", None)):
@@ -91,50 +96,48 @@ class LoopbackGroup:
         self.counters, self.table, self.status_ptr = self._counters.ptr, self._table.ptr, self._status_t.ptr
         jitter = os.environ.get("LOWGRAD_LOOPBACK_JITTER_US", "")
         self.jitter_ns = int(float(jitter) * 1000) if jitter else 0
-        self._lock = threading.Lock()
-        self._seq = [0] * world
-        self._calls: dict[int, list[Any]] = {}  # seq -> [signature, first rank, ranks checked]
-        self._p2p: dict[tuple[int, int], deque[tuple[bool, tuple[Any, ...]]]] = {}  # unmatched sends/receives
+        self.meet = ThreadCollective(world, self.timeout)  # the ranks' threads meet here before queuing
 
-    def agree(self, rank: int, signature: tuple[Any, ...]) -> None:
-        """Compare this rank's next collective with the first rank's at the same position;
-        ValueError (and the group aborted) when they differ."""
-        with self._lock:
-            seq = self._seq[rank]
-            self._seq[rank] = seq + 1
-            entry = self._calls.get(seq)
-            if entry is None:
-                entry = self._calls[seq] = [signature, rank, 0]
-            entry[2] += 1
-            if entry[2] == self.world:
-                del self._calls[seq]
-            first, first_rank = entry[0], entry[1]
-        if signature != first:
+    def agree(self, rank: int, signature: tuple[Any, ...], timeout: float) -> None:
+        """Block until every rank has called its next collective (or replay); ValueError on
+        every rank when their ``signature`` differ (nothing is queued then)."""
+        try:
+            items = self.meet.exchange(rank, signature, timeout)
+        except (CommAbortedError, CommTimeoutError):
             self.abort()
-            raise ValueError(f"loopback collective #{seq}: rank {rank} calls {signature}, rank {first_rank} "
-                             f"called {first}; ranks must make the same calls in the same order")
+            raise
+        if any(it != items[0] for it in items):
+            desc = "; ".join(f"rank {r}: {it}" for r, it in enumerate(items))
+            raise ValueError(f"loopback: ranks disagree on a collective (call, dtype, elements, op): {desc}; ranks "
+                             "must make the same calls in the same order")
 
-    def match(self, src: int, dst: int, is_send: bool, signature: tuple[Any, ...]) -> None:
-        """Pair a send ``src -> dst`` with the receive at the same position; ValueError (and
-        the group aborted) when dtype or size differ."""
-        with self._lock:
-            q = self._p2p.setdefault((src, dst), deque())
-            if q and q[0][0] != is_send:
-                other = q.popleft()[1]
-            else:
-                q.append((is_send, signature))
-                return
-        if other != signature:
+    def match(self, rank: int, plan: dict[int, tuple[list[Any], list[Any]]], timeout: float) -> None:
+        """Block until every peer of this rank's group of sends and receives has flushed its own;
+        ``plan``: peer -> (what this rank sends it, what it receives from it), each a list of
+        (dtype, elements). ValueError on both sides when a send and its receive differ."""
+        try:
+            for peer, (sends, recvs) in plan.items():
+                self.meet.post(rank, peer, "p2p", (sends, recvs))
+            theirs = {peer: self.meet.take(peer, rank, "p2p", timeout) for peer in plan}
+        except (CommAbortedError, CommTimeoutError):
             self.abort()
-            raise ValueError(f"loopback send {src} -> {dst}: the send is {(other if not is_send else signature)}, "
-                             f"the receive {(signature if not is_send else other)} (dtype, elements); they must match")
+            raise
+        for peer, (sends, recvs) in plan.items():
+            their_sends, their_recvs = theirs[peer]
+            if sends != their_recvs or recvs != their_sends:
+                raise ValueError(f"loopback: rank {rank} sends {sends} to rank {peer} and receives {recvs} from it; "
+                                 f"rank {peer} receives {their_recvs} and sends {their_sends} (dtype, elements): "
+                                 "each send must match its receive")
 
     def abort(self) -> None:
-        """Stop every rank's pending and later loopback kernels (CommAbortedError in wait)."""
+        """Stop every rank's pending and later loopback work, on the device and on the host
+        (CommAbortedError)."""
         self.status[_C["LB_ABORT"]] = 1
+        self.meet.abort("a rank aborted the loopback communicator")
 
     def leave(self, rank: int) -> None:
         self.status[_C["LB_LEFT"] + rank] = 1
+        self.meet.leave(rank)
 
     def error(self, rank: int) -> Exception | None:
         """The recorded device-side failure as the exception ``rank`` raises, or None."""
@@ -171,6 +174,7 @@ class LoopbackCommunicator(CommBase):
         self._p2p: list[tuple[bool, Tensor, int, int]] = []  # a group's (is_send, tensor, peer, stream)
         self._done = group.device.event(name=f"loopback_done{rank}")  # after this rank's last collective
         self._done_recorded = False
+        self._captured = 0  # meetings recorded by the capture in progress
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
@@ -192,8 +196,10 @@ class LoopbackCommunicator(CommBase):
 
     def _run(self, call: str, signature: tuple[Any, ...], h: int, work: Callable[[int], None],
              t: Tensor | None = None, count: int = 0, **fields: Any) -> None:
-        """Check agreement, then queue ``work(h)`` now (or at the group's end)."""
-        self.shared.agree(self.rank, (call, *signature))
+        """Meet the other ranks' threads at this call (agreement checked), then queue ``work(h)``
+        now (or at the group's end)."""
+        self.shared.agree(self.rank, (call, *signature), self.timeout)
+        self._join_capture(h)
         if trace.ENABLED and t is not None:
             trace.log("collective", call, rank=self.rank, tensor=t.name, count=count, dtype=t.dtype.name,
                       stream=hex(h), loopback=True, **fields)
@@ -203,6 +209,35 @@ class LoopbackCommunicator(CommBase):
         else:
             work(h)
             self._mark(h)
+
+    def _join_capture(self, h: int) -> None:
+        """Inside a lowgrad.Graph capture of ``h``: take part in its replays (each replay meets
+        the other ranks' threads first, as an eager collective does)."""
+        if capture.current() is not None:
+            g = self.device.capture_of(h)
+            if g is not None:
+                g.join(self)
+                self._captured += 1
+
+    # ---- the Graph participant protocol (lowgrad.cuda.graph.Participant) ---------------
+    def capture_closing(self, stream: int) -> None:
+        """Nothing to join: every loopback kernel ran on the captured stream."""
+
+    def capture_ended(self, graph: Any, failed: bool) -> int:
+        """The template: how many meetings the capture holds."""
+        count, self._captured = self._captured, 0
+        return count
+
+    def replay_check(self, template: int) -> int:
+        self._check_open("graph replay")
+        return template
+
+    def replay_before(self, stream: int) -> None:
+        """The ranks' threads meet before any of them queues a replay's loopback kernels."""
+        self.shared.agree(self.rank, ("graph replay",), self.timeout)
+
+    def replay_done(self, applied: int, stream: int) -> None:
+        self._mark(stream)
 
     def _mark(self, h: int) -> None:
         self._done.record(h)
@@ -303,8 +338,6 @@ class LoopbackCommunicator(CommBase):
         if same >= PTRS:
             raise ValueError(f"{call}: at most {PTRS} {call}s to one peer in one group")
         h = self._stream(stream)
-        src, dst = (self.rank, peer) if is_send else (peer, self.rank)
-        self.shared.match(src, dst, is_send, (t.dtype.name, t.numel))
         if trace.ENABLED:
             trace.log("collective", call, rank=self.rank, tensor=t.name, count=t.numel, dtype=t.dtype.name,
                       stream=hex(h), peer=peer, loopback=True)
@@ -320,6 +353,12 @@ class LoopbackCommunicator(CommBase):
         ops, self._p2p = self._p2p, []
         if not ops:
             return
+        plan: dict[int, tuple[list[Any], list[Any]]] = {}
+        for is_send, t, peer, _ in ops:
+            plan.setdefault(peer, ([], []))[0 if is_send else 1].append((t.dtype.name, t.numel))
+        self.shared.match(self.rank, plan, self.timeout)
+        h = ops[0][3]
+        self._join_capture(h)
         W, r, base = self.world, self.rank, self.world * PTRS
         peers, ptrs, entries = 0, [], []
         k: dict[tuple[bool, int], int] = {}  # messages so far per (direction, peer)
@@ -329,7 +368,6 @@ class LoopbackCommunicator(CommBase):
                 i = k[(True, peer)] = k.get((True, peer), -1) + 1
                 ptrs.append(t.ptr)
                 entries.append(base + (r * W + peer) * PTRS + i)
-        h = ops[0][3]
         last = max(len(ptrs) - 1, 0) // PTRS * PTRS  # publish in chunks; the last one meets the peers
         for start in range(0, last + 1, PTRS):
             self._sync(h, ptrs[start:start + PTRS], entries[start:start + PTRS], peers if start == last else 0)
@@ -454,3 +492,12 @@ class LoopbackCommunicator(CommBase):
             if self._state == "open":
                 self._state = "closed"
                 self.shared.leave(self.rank)
+
+
+def spin(device: Any, stream: StreamLike, ns: int) -> None:
+    """Keep ``stream`` busy on ``device`` for ``ns`` nanoseconds (one thread waiting on the GPU's
+    clock; asynchronous): a slow engine kernel for race hunting."""
+    if not isinstance(ns, int) or isinstance(ns, bool) or not 0 <= ns < 1 << 64:
+        raise ValueError(f"spin: ns must be an int in [0, 2**64), got {ns!r}")
+    k = device.kernels.kernel(kernel("loopback_delay"))
+    k.launch(1, stream_handle(stream), ns)
