@@ -1,12 +1,17 @@
 """Shared fixtures: GPU tests skip with the reason when there is no driver or GPU."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from lowgrad.cuda import compiler
 from lowgrad.cuda import driver as _cuda
+
+# CUDA reads this when the process creates its context: the loopback tests run up to 8 ranks,
+# each waiting on the device in its own hardware queue (docs/loopback.md)
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -104,6 +104,19 @@ def test_failures_end_in_bounded_time() -> None:
     assert run(2, leaver)[0] == "ok"
 
 
+def test_a_world_beyond_the_hardware_queues_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    LoopbackGroup(SimDevice("q4"), 4)
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=32"):
+        LoopbackGroup(SimDevice("q4"), 5)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    with pytest.raises(ValueError, match="gives this process 8"):
+        LoopbackGroup(SimDevice("q8"), 9)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "64")
+    with pytest.raises(ValueError, match="more than 32 ranks"):
+        LoopbackGroup(SimDevice("q32"), 33)
+
+
 def test_bad_arguments_raise_before_anything_is_queued() -> None:
     dev = SimDevice("bad")
     with pytest.raises(ValueError, match="world"):

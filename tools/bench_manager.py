@@ -28,12 +28,14 @@ from typing import Any
 
 import numpy as np
 
+# before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.core.dtypes import byte
 from lowgrad.core.memory import align_up
-from lowgrad.core.tensor import Tensor, span
+from lowgrad.core.tensor import span
 
 RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
         ("all_to_all", True))

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+# before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lowgrad as lg  # noqa: E402
 from lowgrad.cuda.loopback import spin  # noqa: E402

@@ -8,20 +8,28 @@ allocations — so a missing event wait between an engine's stream, a manager's 
 stream and the copy engines shows up as a wrong result before the code meets a multi-GPU node.
 All ranks share one GPU's memory bandwidth, so it says nothing about multi-GPU speed.
 
-How ranks meet: first the ranks' threads meet on the host (:class:`ThreadCollective`; the
-ranks' calls are compared there), so no rank queues work that waits for a peer which has not
-queued its part yet — a rank may block in a device-wide synchronize between collectives
-without deadlocking the others. Then the collective is three steps queued on the caller's
-stream, ordered only on the device (the host never waits for the GPU inside a collective, so
-CUDA-graph capture works as with NCCL; each replay of a captured graph meets the threads first
-too):
+How ranks meet. Ranks wait for each other on the device (spinning one-thread kernels), and CUDA
+feeds all the streams of a process into a few hardware queues, so a waiting kernel must never
+sit in a queue ahead of the kernel it waits for. Each collective therefore runs in three phases:
 
-1. ``loopback_sync``: publish this rank's buffer addresses in a device table, count this rank's
-   arrival, wait on the device until every rank has arrived at the same collective;
-2. device copies (``loopback_copy``) or a reduction (``loopback_reduce_*``) that reads the
-   peers' buffers through the table and writes only this rank's own memory;
-3. ``loopback_sync`` again: every rank has finished reading before any rank goes on and reuses
-   its buffers.
+1. each rank records an event on its caller's stream (its data is ready there), then the ranks'
+   threads meet on the host (:class:`ThreadCollective`; their calls are compared there, the
+   same ValueError on every rank when they differ, nothing queued);
+2. each rank queues the collective on its own loopback stream (the group creates the ``world``
+   streams together, so each has its own hardware queue): a wait for its ready event, then
+   ``loopback_sync`` (publish this rank's buffer addresses in a device table, count this rank's
+   arrival, wait on the device until every rank has arrived), the copies (``loopback_copy``) or
+   the reduction (``loopback_reduce_*``) that read the peers' buffers through the table and
+   write only this rank's memory, and ``loopback_sync`` again (every rank has finished reading
+   before any rank reuses its buffers); it records its done event there;
+3. the threads meet again — every rank has queued its part — and only then each caller's
+   stream waits for the done event.
+
+A device-side wait only ever waits for work queued before it, so no wait can hold back what it
+waits for, and a rank may block in a device-wide synchronize between collectives. The host
+never waits for the GPU inside a collective, so CUDA-graph capture works as with NCCL (the
+loopback stream joins the capture through the events; each replay meets the threads before and
+after its launch).
 
 Reductions (the one order, so results equal the host backend's bit for bit): the ranks'
 values are combined in rank order 0, 1, .., world-1 in float32 (float64 for fp64), ``avg``
@@ -57,6 +65,7 @@ from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.core.threads import ThreadCollective
+from lowgrad.cuda import graph
 from lowgrad.cuda.compiler import constants, kernel
 from lowgrad.cuda.kernels import Kernel
 
@@ -68,7 +77,15 @@ _REDUCE = {bf16: "loopback_reduce_bf16", fp16: "loopback_reduce_fp16", fp32: "lo
 _ERRORS = {_C["LB_ERR_TIMEOUT"]: (CommTimeoutError, "timed out waiting for rank {peer}"),
            _C["LB_ERR_ABORTED"]: (CommAbortedError, "stopped: the communicator was aborted"),
            _C["LB_ERR_LEFT"]: (CommAbortedError, "stopped: rank {peer} left the communicator (close())")}
+_Item = tuple[tuple[Any, ...], int, Callable[[int], None]]  # a queued collective: (signature, caller stream, work)
 _POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls of wait() (doubling)
+
+
+def hardware_queues() -> int:
+    """How many hardware queues CUDA feeds this process's streams into: CUDA_DEVICE_MAX_CONNECTIONS
+    (default 8, at most 32) as read now — CUDA reads it when the process creates its context."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return min(int(value), 32) if value.isdigit() and int(value) > 0 else 8
 
 
 class LoopbackGroup:
@@ -82,6 +99,12 @@ class LoopbackGroup:
                             f"got {device!r}")
         if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
             raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
+        queues = hardware_queues()
+        if world > queues:
+            raise ValueError(f"loopback world {world} needs a hardware queue per rank; CUDA gives this process {queues} "
+                             "(CUDA_DEVICE_MAX_CONNECTIONS, default 8, at most 32): set CUDA_DEVICE_MAX_CONNECTIONS=32 "
+                             "before the process creates its CUDA context (run_threads(share_gpu=True) sets it when "
+                             "unset); more than 32 ranks cannot share one GPU")
         self.device, self.world, self.timeout = device, world, check_timeout(timeout)
         device.activate()
         self._counters = device.alloc((world * world,), fp64, name="loopback_counters")  # u64 words
@@ -97,10 +120,13 @@ class LoopbackGroup:
         jitter = os.environ.get("LOWGRAD_LOOPBACK_JITTER_US", "")
         self.jitter_ns = int(float(jitter) * 1000) if jitter else 0
         self.meet = ThreadCollective(world, self.timeout)  # the ranks' threads meet here before queuing
+        # one stream per rank, created together so that each gets its own hardware queue
+        self.streams = [device.stream() for _ in range(world)]
 
-    def agree(self, rank: int, signature: tuple[Any, ...], timeout: float) -> None:
+    def agree(self, rank: int, signature: Any, timeout: float) -> None:
         """Block until every rank has called its next collective (or replay); ValueError on
-        every rank when their ``signature`` differ (nothing is queued then)."""
+        every rank when their ``signature`` differ (nothing is queued then). After queuing its
+        part, each rank calls it again with ``None`` (every rank has queued)."""
         try:
             items = self.meet.exchange(rank, signature, timeout)
         except (CommAbortedError, CommTimeoutError):
@@ -111,22 +137,23 @@ class LoopbackGroup:
             raise ValueError(f"loopback: ranks disagree on a collective (call, dtype, elements, op): {desc}; ranks "
                              "must make the same calls in the same order")
 
-    def match(self, rank: int, plan: dict[int, tuple[list[Any], list[Any]]], timeout: float) -> None:
+    def match(self, rank: int, plan: dict[int, Any], timeout: float, tag: str = "p2p") -> None:
         """Block until every peer of this rank's group of sends and receives has flushed its own;
         ``plan``: peer -> (what this rank sends it, what it receives from it), each a list of
-        (dtype, elements). ValueError on both sides when a send and its receive differ."""
+        (dtype, elements); ValueError on both sides when a send and its receive differ. With
+        ``tag="queued"`` (plan values None): every peer has queued its part."""
         try:
-            for peer, (sends, recvs) in plan.items():
-                self.meet.post(rank, peer, "p2p", (sends, recvs))
-            theirs = {peer: self.meet.take(peer, rank, "p2p", timeout) for peer in plan}
+            for peer, item in plan.items():
+                self.meet.post(rank, peer, tag, item)
+            theirs = {peer: self.meet.take(peer, rank, tag, timeout) for peer in plan}
         except (CommAbortedError, CommTimeoutError):
             self.abort()
             raise
-        for peer, (sends, recvs) in plan.items():
-            their_sends, their_recvs = theirs[peer]
-            if sends != their_recvs or recvs != their_sends:
-                raise ValueError(f"loopback: rank {rank} sends {sends} to rank {peer} and receives {recvs} from it; "
-                                 f"rank {peer} receives {their_recvs} and sends {their_sends} (dtype, elements): "
+        for peer, item in plan.items():
+            if item is not None and theirs[peer] != item[::-1]:
+                their_sends, their_recvs = theirs[peer]
+                raise ValueError(f"loopback: rank {rank} sends {item[0]} to rank {peer} and receives {item[1]} from "
+                                 f"it; rank {peer} receives {their_recvs} and sends {their_sends} (dtype, elements): "
                                  "each send must match its receive")
 
     def abort(self) -> None:
@@ -170,8 +197,10 @@ class LoopbackCommunicator(CommBase):
         self._timeout_ns = 0 if self.timeout == float("inf") else int(self.timeout * 1e9)
         self._rng = random.Random(rank)
         self._everyone = (1 << self.world) - 1
-        self._queue: list[Callable[[], None]] = []
+        self._queue: list[_Item] = []  # a group's collectives: (signature, caller stream, work)
         self._p2p: list[tuple[bool, Tensor, int, int]] = []  # a group's (is_send, tensor, peer, stream)
+        self._stream_h = stream_handle(group.streams[rank])  # where this rank's loopback work runs
+        self._ready: list[Any] = []  # an event per caller stream of one collective (or group)
         self._done = group.device.event(name=f"loopback_done{rank}")  # after this rank's last collective
         self._done_recorded = False
         self._captured = 0  # meetings recorded by the capture in progress
@@ -196,28 +225,60 @@ class LoopbackCommunicator(CommBase):
 
     def _run(self, call: str, signature: tuple[Any, ...], h: int, work: Callable[[int], None],
              t: Tensor | None = None, count: int = 0, **fields: Any) -> None:
-        """Meet the other ranks' threads at this call (agreement checked), then queue ``work(h)``
-        now (or at the group's end)."""
-        self.shared.agree(self.rank, (call, *signature), self.timeout)
-        self._join_capture(h)
+        """Run ``work`` (which queues the collective on the stream it is given) now, or at the
+        group's end, in the three phases of the module's docstring."""
         if trace.ENABLED and t is not None:
             trace.log("collective", call, rank=self.rank, tensor=t.name, count=count, dtype=t.dtype.name,
                       stream=hex(h), loopback=True, **fields)
         if self._group is not None:
             self._group.scheduled += 1
-            self._queue.append(lambda: work(h))
+            self._queue.append(((call, *signature), h, work))
         else:
-            work(h)
-            self._mark(h)
+            self._collectives([((call, *signature), h, work)])
+
+    def _collectives(self, items: list[_Item]) -> None:
+        streams = self._ready_on([h for _, h, _ in items])
+        self.shared.agree(self.rank, tuple(sig for sig, _, _ in items), self.timeout)
+        self._start(streams)
+        for _, _, work in items:
+            work(self._stream_h)
+        self._finish(streams)
+
+    def _ready_on(self, handles: list[int]) -> list[int]:
+        """Phase 1: record a ready event on each distinct caller stream; returns those streams."""
+        streams = list(dict.fromkeys(handles))
+        while len(self._ready) < len(streams):
+            self._ready.append(self.device.event(name=f"loopback_ready{self.rank}"))
+        for ev, h in zip(self._ready, streams):
+            ev.record(h)
+        return streams
+
+    def _start(self, streams: list[int]) -> None:
+        """Phase 2 begins (the threads have met): the loopback stream waits for the callers'
+        streams (joining their capture, if any)."""
+        self._join_capture(streams[0])
+        for ev, _ in zip(self._ready, streams):
+            ev.wait(self._stream_h)
+
+    def _finish(self, streams: list[int], peers: dict[int, None] | None = None) -> None:
+        """Phase 3: record the done event, meet every rank (or only ``peers``) again — they have
+        queued their part too — then the callers' streams wait for it."""
+        self._done.record(self._stream_h)
+        self._done_recorded = True
+        if peers is None:
+            self.shared.agree(self.rank, None, self.timeout)
+        else:
+            self.shared.match(self.rank, peers, self.timeout, tag="queued")
+        for h in streams:
+            self._done.wait(h)
 
     def _join_capture(self, h: int) -> None:
-        """Inside a lowgrad.Graph capture of ``h``: take part in its replays (each replay meets
-        the other ranks' threads first, as an eager collective does)."""
-        if capture.current() is not None:
-            g = self.device.capture_of(h)
-            if g is not None:
-                g.join(self)
-                self._captured += 1
+        """When this thread captures a lowgrad.Graph and ``h`` is in the capture: take part in
+        its replays (each replay meets the other ranks' threads, as an eager collective does)."""
+        g = capture.current()
+        if g is not None and graph.is_capturing(h):
+            g.join(self)
+            self._captured += 1
 
     # ---- the Graph participant protocol (lowgrad.cuda.graph.Participant) ---------------
     def capture_closing(self, stream: int) -> None:
@@ -233,15 +294,14 @@ class LoopbackCommunicator(CommBase):
         return template
 
     def replay_before(self, stream: int) -> None:
-        """The ranks' threads meet before any of them queues a replay's loopback kernels."""
+        """The ranks' threads meet before any of them launches a replay (calls compared)."""
         self.shared.agree(self.rank, ("graph replay",), self.timeout)
 
     def replay_done(self, applied: int, stream: int) -> None:
-        self._mark(stream)
-
-    def _mark(self, h: int) -> None:
-        self._done.record(h)
+        """... and after every rank has launched it, before any queues more work."""
+        self._done.record(stream)
         self._done_recorded = True
+        self.shared.agree(self.rank, None, self.timeout)
 
     def _sync(self, h: int, ptrs: Sequence[int] = (), entries: Sequence[int] | None = None,
               peers: int | None = None) -> None:
@@ -356,9 +416,10 @@ class LoopbackCommunicator(CommBase):
         plan: dict[int, tuple[list[Any], list[Any]]] = {}
         for is_send, t, peer, _ in ops:
             plan.setdefault(peer, ([], []))[0 if is_send else 1].append((t.dtype.name, t.numel))
+        streams = self._ready_on([h for *_, h in ops])
         self.shared.match(self.rank, plan, self.timeout)
-        h = ops[0][3]
-        self._join_capture(h)
+        self._start(streams)
+        h = self._stream_h
         W, r, base = self.world, self.rank, self.world * PTRS
         peers, ptrs, entries = 0, [], []
         k: dict[tuple[bool, int], int] = {}  # messages so far per (direction, peer)
@@ -376,7 +437,7 @@ class LoopbackCommunicator(CommBase):
                 i = k[(False, peer)] = k.get((False, peer), -1) + 1
                 self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
         self._sync(h, peers=peers)
-        self._mark(h)
+        self._finish(streams, dict.fromkeys(plan))
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
         """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps (each step a
@@ -413,17 +474,17 @@ class LoopbackCommunicator(CommBase):
             if g.scheduled:
                 self.abort()
             return
-        for work in queue:
-            work()
+        if queue:
+            self._collectives(queue)
         self._flush_p2p()
-        h = stream_handle(g.stream)
-        self._mark(h)
+        if g.scheduled:
+            self._done.wait(g.stream)
         g.event.record(g.stream)
 
     # ---- host-side helpers (blocking) --------------------------------------------------
     def host_allgather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` in rank order, on every rank (through a device all-gather on
-        the default stream; blocking, bounded by ``timeout``)."""
+        this rank's loopback stream; blocking, bounded by ``timeout``)."""
         self._check_open("host_allgather")
         self._check_not_grouped("host_allgather")
         data = self._check_bytes("host_allgather", data)
@@ -437,8 +498,8 @@ class LoopbackCommunicator(CommBase):
             host = np.zeros(size * self.world, np.uint8)
             host[self.rank * size:self.rank * size + len(data)] = np.frombuffer(data, np.uint8)
             self.device.copy_from_host(buf, host)
-            self.all_gather(buf, stream=0)
-            self.wait(0)
+            self.all_gather(buf, stream=self._stream_h)
+            self.wait(self._done)
             out = buf.numpy().tobytes()
         finally:
             buf.close()
@@ -448,8 +509,8 @@ class LoopbackCommunicator(CommBase):
         """Return once every rank has reached the barrier (a device sync and a wait)."""
         self._check_open("barrier")
         self._check_not_grouped("barrier")
-        self._run("barrier", (), 0, lambda h: self._sync(h))
-        self.wait(0)
+        self._run("barrier", (), self._stream_h, self._sync)
+        self.wait(self._done)
 
     def wait(self, what: Any = None, timeout: float | None = None) -> None:
         """Block until ``what`` (an Event, a Stream, a raw stream handle, or None for the

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 _CU_STREAM_NON_BLOCKING = 1
 _CU_EVENT_DISABLE_TIMING = 2
 _CUDA_ERROR_NOT_READY = 600
+_event_fns: list[Any] = []  # [cuEventRecord, cuStreamWaitEvent] as ctypes functions, bound at the first Event
 
 
 class Stream:
@@ -106,6 +107,9 @@ class Event:
         self._cu = _cuda.check("cuEventCreate", drv.cuEventCreate(flags))
         self.device, self.name, self.timing, self._closed, self.handle = device, name, timing, False, int(self._cu)
         self._finalizer = release.Finalizer(self, _destroy_event, drv, self._cu)
+        if not _event_fns:
+            _event_fns[:] = [_cuda.c_function("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p),
+                             _cuda.c_function("cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)]
 
     def _live(self) -> None:
         if self._closed:
@@ -115,7 +119,7 @@ class Event:
         """Record this event on ``stream`` (asynchronous); returns self."""
         if self._closed:
             self._live()
-        err = _record()(self.handle, stream_handle(stream))
+        err = _event_fns[0](self.handle, stream_handle(stream))
         if err:
             raise _cuda.fail("cuEventRecord", err)
         return self
@@ -124,7 +128,7 @@ class Event:
         """Make ``stream`` wait for this event (no host sync)."""
         if self._closed:
             self._live()
-        err = _wait_event()(stream_handle(stream), self.handle, 0)
+        err = _event_fns[1](stream_handle(stream), self.handle, 0)
         if err:
             raise _cuda.fail("cuStreamWaitEvent", err)
 
@@ -159,14 +163,6 @@ class Event:
 
     def __repr__(self) -> str:
         return f"Event(device={self.device.ordinal}, name={self.name!r})"
-
-
-def _record() -> Any:
-    return _cuda.c_function("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
-
-
-def _wait_event() -> Any:
-    return _cuda.c_function("cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 
 
 def _destroy_event(drv: Any, cu: Any) -> None:
