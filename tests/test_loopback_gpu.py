@@ -97,6 +97,7 @@ def test_a_rank_that_never_arrives_times_out_and_a_rank_that_left_is_named() -> 
         """Rank 1's stream is held on the GPU past the timeout: rank 0's device-side wait gives up."""
         s = comm.device.stream()
         t = put(comm, np.ones(64, np.float32), lg.fp32, "t")
+        comm.barrier()  # put() synchronizes the device: no rank may still be in it when rank 1 holds s
         if comm.rank == 1:
             spin(comm.device, s, 4_000_000_000)
         comm.all_reduce(t, "sum", stream=s)

@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--manager-only", action="store_true",
                    help="the engine writes nothing (gradients keep the pool's first values): the manager's "
                         "own exchange and SR traffic against its own floor")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any rank waits for another")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_manager.json"))
     args = p.parse_args()
     layout = lg.llama_layout(args.config)
@@ -134,7 +135,7 @@ def main() -> int:
         try:
             out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
                                                               args.steps, bw, not args.manager_only, args.share_gpu),
-                                 backend=args.backend, share_gpu=args.share_gpu)
+                                 backend=args.backend, share_gpu=args.share_gpu, timeout=args.timeout)
             results.append(out[0])
         except Exception as exc:  # report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")

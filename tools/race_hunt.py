@@ -136,8 +136,9 @@ def mismatches(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -
 
 
 def hunt(world: int, seconds: float, M: int, steps: int, spin_us: int, sleep_us: int,
-         layout: lg.Layout) -> list[dict[str, Any]]:
-    """Run rotating configurations until ``seconds`` have passed; one record per configuration."""
+         layout: lg.Layout, timeout: float = 120) -> list[dict[str, Any]]:
+    """Run rotating configurations until ``seconds`` have passed; one record per configuration
+    (a line per run on stdout; ``timeout`` bounds every wait of the communicators)."""
     reference: dict[tuple[str, bool], list[dict[str, np.ndarray]]] = {}
     records: dict[tuple[str, bool, bool], dict[str, Any]] = {}
     deadline = time.monotonic() + seconds
@@ -149,7 +150,7 @@ def hunt(world: int, seconds: float, M: int, steps: int, spin_us: int, sleep_us:
             reference[key] = lg.run_threads(world, train(layout, strategy, offload, M, steps), backend="host")
         t0 = time.monotonic()
         got = lg.run_threads(world, train(layout, strategy, offload, M, steps, graphs, (run, spin_us, sleep_us)),
-                             backend="cuda", share_gpu=True, timeout=120)
+                             backend="cuda", share_gpu=True, timeout=timeout)
         rec = records.setdefault((strategy, offload, graphs), {
             "strategy": strategy, "offload": offload, "graphs": graphs, "runs": 0, "micro_steps": 0,
             "rank_micro_steps": 0, "mismatched_runs": 0, "seconds": 0.0, "first_mismatch": None})
@@ -161,6 +162,8 @@ def hunt(world: int, seconds: float, M: int, steps: int, spin_us: int, sleep_us:
         if bad:
             rec["mismatched_runs"] += 1
             rec["first_mismatch"] = rec["first_mismatch"] or f"run {run}: {bad[:3]}"
+        print(f"run {run}: {strategy}{'+offload' if offload else ''} {'graphs' if graphs else 'eager'} "
+              f"{time.monotonic() - t0:.2f} s{' MISMATCH' if bad else ''}", flush=True)
     return list(records.values())
 
 
@@ -174,12 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sleep-us", type=int, default=2000, help="longest host sleep before a notify")
     p.add_argument("--jitter-us", type=int, default=50, help="longest device-side delay of each meeting")
     p.add_argument("--config", default="tiny", help="layout preset")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for another")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "race_hunt.json"))
     args = p.parse_args(argv)
     os.environ["LOWGRAD_LOOPBACK_JITTER_US"] = str(args.jitter_us)  # read when each group is created
     layout = lg.llama_layout(args.config)
     t0 = time.monotonic()
-    records = hunt(args.world, args.seconds, args.micro_steps, args.steps, args.spin_us, args.sleep_us, layout)
+    records = hunt(args.world, args.seconds, args.micro_steps, args.steps, args.spin_us, args.sleep_us, layout, args.timeout)
     print(f"race_hunt: world {args.world}, {args.config} ({layout.total_numel} params), {args.micro_steps} micro-steps "
           f"x {args.steps} steps per run, spin <= {args.spin_us} us, sleep <= {args.sleep_us} us, jitter <= "
           f"{args.jitter_us} us")

@@ -52,8 +52,13 @@ class Participant(Protocol):
     def replay_before(self, stream: int) -> None:
         """Queue on ``stream`` what the replay must wait for."""
 
+    def replay_launch(self, stream: int) -> int:
+        """The stream to launch on (called after every ``replay_before``): ``stream`` itself, or
+        one that waits for it and makes it wait for the launch again in :meth:`replay_done`."""
+
     def replay_done(self, applied: Any, stream: int) -> None:
-        """The replay was launched on ``stream``: advance host state, re-record events."""
+        """The replay was launched on ``stream`` (the launch stream): advance host state,
+        re-record events."""
 
     def capture_closing(self, stream: int) -> None:
         """The capture of ``stream`` is about to end: join any side stream back into it."""
@@ -198,11 +203,14 @@ class Graph:
         applied = [(p, p.replay_check(t)) for p, t in self._participants.items()]
         for p, _ in applied:
             p.replay_before(h)
-        err = _graph_launch(self._exec_handle, h)
+        launch = h
+        for p, _ in applied:
+            launch = p.replay_launch(launch)
+        err = _graph_launch(self._exec_handle, launch)
         if err:
             raise _cuda.fail("cuGraphLaunch", err)
         for p, a in applied:
-            p.replay_done(a, h)
+            p.replay_done(a, launch)
 
     def close(self) -> None:
         """Destroy the graph now; later replays raise."""

@@ -204,6 +204,7 @@ class LoopbackCommunicator(CommBase):
         self._done = group.device.event(name=f"loopback_done{rank}")  # after this rank's last collective
         self._done_recorded = False
         self._captured = 0  # meetings recorded by the capture in progress
+        self._replay_caller: list[int] = []  # the stream a replay in progress was launched for
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
@@ -297,11 +298,17 @@ class LoopbackCommunicator(CommBase):
         """The ranks' threads meet before any of them launches a replay (calls compared)."""
         self.shared.agree(self.rank, ("graph replay",), self.timeout)
 
+    def replay_launch(self, stream: int) -> int:
+        """Replays launch on this rank's loopback stream (its own hardware queue, so one rank's
+        waiting graph never holds back another's), after the caller's ``stream``."""
+        self._replay_caller = self._ready_on([stream])
+        self._ready[0].wait(self._stream_h)
+        return self._stream_h
+
     def replay_done(self, applied: int, stream: int) -> None:
-        """... and after every rank has launched it, before any queues more work."""
-        self._done.record(stream)
-        self._done_recorded = True
-        self.shared.agree(self.rank, None, self.timeout)
+        """... and meet again after every rank has launched it, before the caller's stream
+        waits for it."""
+        self._finish(self._replay_caller)
 
     def _sync(self, h: int, ptrs: Sequence[int] = (), entries: Sequence[int] | None = None,
               peers: int | None = None) -> None:

@@ -173,6 +173,9 @@ class Replayable:
     def replay_before(self, stream: int) -> None:
         self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
 
+    def replay_launch(self, stream: int) -> int:
+        return stream
+
     def replay_done(self, applied: Replayed, stream: int) -> None:
         state = self._protocol
         state.complete = state.complete or applied.step > self.step  # the replay ended a step
