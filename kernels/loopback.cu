@@ -1,13 +1,16 @@
 // The loopback communicator's kernels: every rank of one process on one GPU, each on its own
 // streams. Ranks meet in device memory (lowgrad/cuda/loopback.py packs these structs):
-//   counters[W]          u64 per rank, +1 at each loopback_sync of that rank (monotonic);
+//   counters[W][W]       u64 per pair of ranks: meetings of rank a with rank b (monotonic), then one
+//                        more word, the device copy of "failed" that the data kernels read (the
+//                        status words live in host memory: one read per thread would cross PCIe);
 //   table[W][LB_PTRS]    the device addresses each rank published at its latest sync;
 //   status[LB_STATUS]    mapped pinned host memory: the host's abort request and the first error.
 // A collective is sync (publish + wait for every rank) -> work reading peers' addresses from the
 // table -> sync (every rank has finished reading before anyone reuses a buffer). All ranks issue
 // the same collectives in the same order, so the k-th sync of every rank meets the others' k-th.
 // A sync gives up when the host requests an abort, a peer left, or timeout_ns pass (0: never);
-// it then records the error in status, and every later loopback kernel does nothing.
+// it then records the error in status and in the device flag, and every later loopback kernel does
+// nothing.
 #include "philox.cuh"
 
 // status words: the abort request (host), the error (first one wins), who waited, for whom,
@@ -25,8 +28,10 @@ __device__ __forceinline__ u64 now_ns() {
 }
 
 __device__ __forceinline__ bool failed(const volatile u32* status) { return status[LB_ERROR] != 0; }
+__device__ __forceinline__ bool flagged(u64 flag) { return *(const volatile u64*)flag != 0; }
 
-__device__ void fail(volatile u32* status, u32 error, u32 waiter, u32 peer) {
+__device__ void fail(volatile u32* status, volatile u64* flag, u32 error, u32 waiter, u32 peer) {
+  *flag = 1;
   if (atomicCAS((u32*)&status[LB_ERROR], 0u, error) == 0u) {
     status[LB_WAITER] = waiter;
     status[LB_PEER] = peer;
@@ -52,8 +57,12 @@ struct LoopbackSync {  // passed by value
 extern "C" __global__ void __launch_bounds__(32) loopback_sync(const __grid_constant__ LoopbackSync s) {
   if (threadIdx.x != 0) return;
   volatile u32* status = (volatile u32*)s.status;
-  if (failed(status)) return;
   volatile u64* counters = (volatile u64*)s.counters;
+  volatile u64* flag = counters + (u64)s.world * s.world;
+  if (failed(status)) {
+    *flag = 1;
+    return;
+  }
   volatile u64* table = (volatile u64*)s.table;
   for (u32 i = 0; i < s.nptrs; ++i) table[s.entries[i]] = s.ptrs[i];
   __threadfence();  // this rank's writes (its buffers, its table entries) before its arrival
@@ -64,10 +73,13 @@ extern "C" __global__ void __launch_bounds__(32) loopback_sync(const __grid_cons
   for (u32 q = 0; q < s.world; ++q) {
     if (q == s.rank || !((s.peers >> q) & 1ull)) continue;
     while (counters[q * s.world + s.rank] < mine[q]) {
-      if (status[LB_ABORT]) return fail(status, LB_ERR_ABORTED, s.rank, q);
-      if (status[LB_LEFT + q]) return fail(status, LB_ERR_LEFT, s.rank, q);
-      if (status[LB_ERROR]) return;
-      if (s.timeout_ns && now_ns() - t0 > s.timeout_ns) return fail(status, LB_ERR_TIMEOUT, s.rank, q);
+      if (status[LB_ABORT]) return fail(status, flag, LB_ERR_ABORTED, s.rank, q);
+      if (status[LB_LEFT + q]) return fail(status, flag, LB_ERR_LEFT, s.rank, q);
+      if (status[LB_ERROR]) {
+        *flag = 1;
+        return;
+      }
+      if (s.timeout_ns && now_ns() - t0 > s.timeout_ns) return fail(status, flag, LB_ERR_TIMEOUT, s.rank, q);
       __nanosleep(200);
     }
   }
@@ -102,7 +114,7 @@ __device__ __forceinline__ u16 store_f(float v, bool bf) {
 template <typename T> __device__ __forceinline__ T max_nan(T a, T b) { return (a > b || a != a) ? a : b; }
 
 struct LoopbackReduce {  // passed by value
-  u64 table, status, dst;
+  u64 table, flag, dst;  // flag: the device copy of "failed" (after the counters)
   u64 offset, n;  // elements: every rank's input at table[q][slot] + offset, the result at dst + offset
   u32 slot, world, op;
   double scale;  // 1/world for avg (rounded to float for float accumulators)
@@ -118,7 +130,7 @@ template <typename T, typename Acc, int KIND> __device__ __forceinline__ Acc loa
 }
 
 template <typename T, typename Acc, int KIND> __device__ void reduce_body(const LoopbackReduce& r) {
-  if (failed((const volatile u32*)r.status)) return;
+  if (flagged(r.flag)) return;
   const u64* table = (const u64*)r.table;
   T* dst = (T*)r.dst + r.offset;
   const u64 stride = (u64)gridDim.x * blockDim.x;
@@ -145,14 +157,14 @@ LOOPBACK_REDUCE(fp64, double, double, 0)
 LOOPBACK_REDUCE(byte, u8, u8, 3)
 
 struct LoopbackCopy {  // passed by value
-  u64 table, status, dst;
+  u64 table, flag, dst;
   u64 src_offset, nbytes;  // bytes: from the address at table[entry], + src_offset, to dst
   u32 entry;
 };
 
 // A copy from a peer's published buffer (16-byte stores when both ends allow it).
 extern "C" __global__ void __launch_bounds__(256) loopback_copy(const __grid_constant__ LoopbackCopy c) {
-  if (failed((const volatile u32*)c.status)) return;
+  if (flagged(c.flag)) return;
   const u8* src = (const u8*)((const u64*)c.table)[c.entry] + c.src_offset;
   u8* dst = (u8*)c.dst;
   const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;

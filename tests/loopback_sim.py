@@ -41,12 +41,13 @@ def word(ptr: int, i: int) -> int:
 
 def sync(a: dict[str, Any]) -> None:
     status = words(a["status"], C["LB_STATUS"], ctypes.c_uint32)
-    if status[C["LB_ERROR"]]:
-        return
     W, r = a["world"], a["rank"]
+    counters = words(a["counters"], W * W + 1)  # then the device copy of "failed"
+    if status[C["LB_ERROR"]]:
+        counters[W * W] = 1
+        return
     for p, e in zip(a["ptrs"][:a["nptrs"]], a["entries"][:a["nptrs"]]):
         ctypes.c_uint64.from_address(a["table"] + 8 * e).value = p
-    counters = words(a["counters"], W * W)
     peers = [q for q in range(W) if q != r and (a["peers"] >> q) & 1]
     mine = {}
     for q in peers:
@@ -59,20 +60,22 @@ def sync(a: dict[str, Any]) -> None:
                     else C["LB_ERR_TIMEOUT"] if a["timeout_ns"] and time.monotonic() - t0 > a["timeout_ns"] / 1e9
                     else 0)
             if status[C["LB_ERROR"]]:
+                counters[W * W] = 1
                 return
             if fail:
+                counters[W * W] = 1
                 status[C["LB_ERROR"]], status[C["LB_WAITER"]], status[C["LB_PEER"]] = fail, r, q
                 return
             time.sleep(2e-4)
 
 
 def copy(a: dict[str, Any]) -> None:
-    if not words(a["status"], C["LB_STATUS"], ctypes.c_uint32)[C["LB_ERROR"]]:
+    if not word(a["flag"], 0):
         ctypes.memmove(a["dst"], word(a["table"], a["entry"]) + a["src_offset"], a["nbytes"])
 
 
 def reduce(dtype: lg.DType, a: dict[str, Any]) -> None:
-    if words(a["status"], C["LB_STATUS"], ctypes.c_uint32)[C["LB_ERROR"]]:
+    if word(a["flag"], 0):
         return
     size, n = dtype.itemsize, a["n"]
 

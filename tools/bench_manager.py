@@ -85,7 +85,8 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
     if strategy == "all_to_all" and world > 1:
         shard_traffic += (world + 1) * B // world
-    if shared and world > 1:  # the loopback's exchange is HBM traffic of this GPU
+    if shared and world > 1 and strategy != "unsharded":  # the loopback's exchange is HBM traffic of this GPU
+        # (unsharded exchanges only in a step's last micro-step, which the median leaves out)
         shard_traffic += 2 * (world - 1) * B // world if strategy == "all_to_all" else B + B // world
     if offload:  # the shard's read and write cross PCIe (one each way); the own slice is on the device
         pcie = (2 if strategy == "scatter_reduce" or world == 1 else 4) * B // world

@@ -107,7 +107,8 @@ class LoopbackGroup:
                              "unset); more than 32 ranks cannot share one GPU")
         self.device, self.world, self.timeout = device, world, check_timeout(timeout)
         device.activate()
-        self._counters = device.alloc((world * world,), fp64, name="loopback_counters")  # u64 words
+        # u64 words: meetings per pair of ranks, then the device copy of "failed" (kernels/loopback.cu)
+        self._counters = device.alloc((world * world + 1,), fp64, name="loopback_counters")
         # u64 addresses: [world][PTRS] for collectives, then [world][world][PTRS] for sends
         self._table = device.alloc((world * PTRS * (1 + world),), fp64, name="loopback_table")
         self._status_t = device.alloc((_C["LB_STATUS"],), fp32, kind="pinned", name="loopback_status")
@@ -115,8 +116,9 @@ class LoopbackGroup:
             raise TypeError(f"{device!r} gives no host-accessible pinned memory for the loopback status words")
         self.status = self._status_t.numpy().view(np.uint32)  # u32 words, shared with the kernels
         self.status[:] = 0
-        device.copy_from_host(self._counters, np.zeros(world * world, np.float64))
+        device.copy_from_host(self._counters, np.zeros(world * world + 1, np.float64))
         self.counters, self.table, self.status_ptr = self._counters.ptr, self._table.ptr, self._status_t.ptr
+        self.flag = self.counters + 8 * world * world
         jitter = os.environ.get("LOWGRAD_LOOPBACK_JITTER_US", "")
         self.jitter_ns = int(float(jitter) * 1000) if jitter else 0
         self.meet = ThreadCollective(world, self.timeout)  # the ranks' threads meet here before queuing
@@ -328,13 +330,13 @@ class LoopbackCommunicator(CommBase):
         """Copy ``nbytes`` from the address published at table ``entry`` (+ ``src_offset``) to ``dst``."""
         if nbytes:
             g = self.shared
-            self._kernels["loopback_copy"].launch(self._grid(-(-nbytes // 16), 256), h, g.table, g.status_ptr, dst,
+            self._kernels["loopback_copy"].launch(self._grid(-(-nbytes // 16), 256), h, g.table, g.flag, dst,
                                                   src_offset, nbytes, entry)
 
     def _reduce(self, h: int, t: Tensor, slot: int, offset: int, n: int, code: int) -> None:
         if n:
             g = self.shared
-            self._kernels[_REDUCE[t.dtype]].launch(self._grid(n, 256), h, g.table, g.status_ptr, t.ptr, offset, n,
+            self._kernels[_REDUCE[t.dtype]].launch(self._grid(n, 256), h, g.table, g.flag, t.ptr, offset, n,
                                                    slot, self.world, code, self._scale[t.dtype is fp64])
 
     def _reducible(self, call: str, t: Tensor) -> None:
