@@ -75,6 +75,13 @@ class Kernels(ABC):
         """Set the ``dst.nbytes`` bytes of ``dst`` to zero on ``stream``."""
 
     @abstractmethod
+    def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
+        """Copy the ``src.nbytes`` bytes of ``src`` into ``dst`` (as many bytes; the two do not
+        overlap) on ``stream``, with the GPU's cores rather than a copy engine: a copy engine is
+        one queue shared by every stream of the process, so a copy queued there can wait behind
+        another rank's (the loopback communicator's graph replays)."""
+
+    @abstractmethod
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         """``out[0] = (out[0] if accumulate else 0) + sum(x**2)`` on ``stream``: ``x`` fp32 or
         bf16, ``out`` one fp32 or fp64 element (the accumulation type). Deterministic for a given

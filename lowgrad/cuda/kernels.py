@@ -125,8 +125,8 @@ class CudaKernels(Kernels):
         self.max_grid = device.sm_count * GRID_PER_SM
         c = constants("add_sr")
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
-        self._fill_zero, self._philox, self._seed_counter = (
-            kernel(name) for name in ("fill_zero_u8", "philox_kat", "seed_counter"))
+        self._fill_zero, self._copy, self._philox, self._seed_counter = (
+            kernel(name) for name in ("fill_zero_u8", "copy_u8", "philox_kat", "seed_counter"))
 
     def kernel(self, spec: KernelSpec) -> Kernel:
         """The cached :class:`Kernel` for ``spec``."""
@@ -259,6 +259,11 @@ class CudaKernels(Kernels):
         if dst.nbytes:  # a thread stores 16 bytes: GROUP_ELEMS 2-byte elements
             k = self.kernel(self._fill_zero)
             k.launch(self.grid(max(1, dst.nbytes // 2), k.block), stream, dst.ptr, dst.nbytes)
+
+    def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
+        if src.nbytes:
+            k = self.kernel(self._copy)
+            k.launch(self.grid(max(1, src.nbytes // 2), k.block), stream, dst.ptr, src.ptr, src.nbytes)
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         stage1, stage2 = (self.kernel(s) for s in norm_squared_specs(x.dtype, out.dtype))

@@ -68,6 +68,12 @@ class HostKernels(Kernels):
             _trace("fill_zero", dst, stream)
         dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = 0
 
+    def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
+        if trace.ENABLED:
+            _trace("copy", dst, stream)
+        dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = \
+            src.allocation.host_bytes()[src.offset:src.offset + src.nbytes]
+
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         if trace.ENABLED:
             _trace("norm_squared", x, stream)

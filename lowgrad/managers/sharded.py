@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowgrad import ops
+from lowgrad.core import capture
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.managers.base import GradientManager
@@ -72,10 +73,13 @@ class ShardedManager(GradientManager):
         self._record(self._free[layer % 2], s)
 
     def _add_own(self, layer: int, first: bool) -> None:
-        """Shard += own slice (phase-0 noise); a copy on micro-step 0."""
+        """Shard += own slice (phase-0 noise); a copy on micro-step 0 (by the GPU's cores: no copy
+        engine queue shared with other ranks' graphs, see Kernels.copy)."""
         if first:
+            kernels = self.device.kernels
             for shard, own in zip(self._shards[layer], self._own[layer % 2]):
-                ops.copy(shard, own, stream=self.comm_stream)
+                capture.keep_tensors(shard, own)
+                kernels.copy(shard, own, self._comm_handle)
         elif self._acc:
             self._acc[layer](self._comm_handle)
 
