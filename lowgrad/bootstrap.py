@@ -130,7 +130,7 @@ def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event]
 
 
 def _loopback_factory(world: int, timeout: float, share: Any) -> Callable[[int, threading.Event], CommBase]:
-    from lowgrad.cuda.device import Device
+    from lowgrad.cuda.device import Device, device_count
     from lowgrad.cuda.loopback import LoopbackCommunicator, LoopbackGroup
 
     dev: DeviceBase
@@ -159,11 +159,17 @@ def from_env(device: Any = None, timeout: float | None = None) -> Any:
     """
     from lowgrad.cuda import nccl
     from lowgrad.cuda.communicator import Communicator
-    from lowgrad.cuda.device import Device
+    from lowgrad.cuda.device import Device, device_count
 
     rank, world, local, _ = launcher_env()
     limit = check_timeout(timeout)
-    device = Device(local) if device is None else device
+    if device is None:
+        count = device_count()
+        if 0 < count <= local:  # (no GPU at all: Device says why, CudaUnavailableError)
+            raise ValueError(f"from_env: local rank {local} needs GPU {local}, but {count} GPU(s) are visible; NCCL "
+                             "runs one rank per GPU (start at most one process per GPU, or run every rank of one "
+                             "process on one GPU with run_threads(..., share_gpu=True))")
+        device = Device(local)
     device.activate()
     uid = unique_id_from_env(nccl.unique_id, limit)
     return Communicator(rank, world, uid, device, limit)

@@ -122,3 +122,12 @@ def test_run_threads_cuda_world_above_gpu_count():
         return
     with pytest.raises(ValueError, match="GPUs"):
         lg.run_threads(lg.device_count() + 1, lambda c: None, backend="cuda")
+
+
+def test_from_env_with_more_local_ranks_than_gpus_names_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowgrad.cuda import device as cuda_device
+    monkeypatch.setattr(cuda_device, "device_count", lambda: 1)
+    for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"local rank 1 needs GPU 1, but 1 GPU\(s\).*share_gpu=True"):
+        lg.from_env(timeout=1)

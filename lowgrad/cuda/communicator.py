@@ -66,7 +66,14 @@ class Communicator(CommBase):
         device.activate()
         self.handle, rc = nccl.comm_init_rank(world, bytes(unique_id), rank, blocking=False)
         self._finalizer = release.Finalizer(self, _abort_handle, self.handle)  # GC: queued, not run
-        self._settle("ncclCommInitRankConfig", rc, self.timeout)
+        try:
+            self._settle("ncclCommInitRankConfig", rc, self.timeout)
+        except NcclError as exc:
+            if "Duplicate GPU" not in exc.last_error:
+                raise
+            raise NcclError(exc.call, exc.code, exc.name, exc.message + "; NCCL runs one rank per GPU: for several "
+                            "ranks on one GPU use lowgrad.run_threads(..., share_gpu=True) (one process, the "
+                            "loopback communicator)", exc.last_error) from None
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_memory(self, call: str, t: Tensor) -> None:
