@@ -1,6 +1,6 @@
 """The package's folders are its layers; this test holds the import rules.
 
-``core`` < ``sr`` < (``ops`` | ``cuda`` | ``host``) < (``bootstrap`` | ``managers``) < ``cli``:
+``core`` < ``sr`` < (``ops`` | ``cuda`` | ``host``) < (``bootstrap`` | ``managers``) < (``cli`` | ``torch``):
 a module may import its own layer and the layers its row allows, nothing else (imports inside
 functions and under ``TYPE_CHECKING`` count too), and the module graph has no cycles.
 """
@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "managers": {"core", "sr", "ops", "managers"},
     "bootstrap": {"core", "sr", "cuda", "host"},
     "cli": {"core", "sr", "ops", "cuda", "host", "managers", "bootstrap", "cli"},
+    "torch": {"core", "sr", "ops", "managers", "torch"},  # the PyTorch adapter (imports torch)
 }
 TOP = {"__init__", "__main__"}  # the public front: may import anything
 

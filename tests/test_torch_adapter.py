@@ -1,0 +1,224 @@
+"""lowgrad.torch on the CPU (host backend): the adapter's shards equal the manager driven by hand
+with the same gradients, bit for bit, at world 1 and 2; within the SR bound of a float64 sum;
+misuse raises; the clip coefficient against float64. Skipped without torch."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lowgrad as lg
+from lowgrad.core.errors import ProtocolError
+
+torch = pytest.importorskip("torch")
+from lowgrad.torch import attach, module_layout  # noqa: E402
+
+H, FF, V, LAYERS = 8, 16, 12, 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = torch.nn.Parameter(torch.ones(H))
+        self.q_proj = torch.nn.Linear(H, H, bias=True)
+        self.up_proj = torch.nn.Linear(H, FF, bias=False)
+        self.down_proj = torch.nn.Linear(FF, H, bias=False)
+
+    def forward(self, x: Any) -> Any:
+        h = x * self.input_layernorm
+        h = h + torch.tanh(self.q_proj(h))
+        return x + self.down_proj(torch.relu(self.up_proj(h)))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, seed: int = 0, skip: int | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(V, H)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = torch.nn.Parameter(torch.ones(H))
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.skip = skip  # a block the forward leaves out (misuse)
+        gen = torch.Generator().manual_seed(seed)  # not the global RNG: ranks build models in threads
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        self.to(torch.bfloat16)
+
+    def forward(self, tokens: Any) -> Any:
+        x = self.embed_tokens(tokens)
+        for i, blk in enumerate(self.layers):
+            if i != self.skip:
+                x = blk(x)
+        return self.lm_head(x * self.norm)
+
+
+def loss(model: Any, rank: int, m: int) -> Any:
+    g = torch.Generator().manual_seed(1000 * rank + m)
+    tokens = torch.randint(0, V, (4, 5), generator=g)
+    return torch.nn.functional.cross_entropy(model(tokens).float().reshape(-1, V), tokens.reshape(-1))
+
+
+def grads(model: Any, rank: int, m: int) -> dict[str, np.ndarray]:
+    """Plain PyTorch: one micro-batch's gradients (bf16 bits as uint16)."""
+    model.zero_grad(set_to_none=True)
+    loss(model, rank, m).backward()
+    return {n: p.grad.view(torch.int16).numpy().view(np.uint16).copy() for n, p in model.named_parameters()}
+
+
+def by_hand(comm: Any, layout: lg.Layout, per_micro: list[dict[str, np.ndarray]], strategy: str) -> dict[str, Any]:
+    """The manager driven through its protocol with the given gradients (full names)."""
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=7)
+    M = len(per_micro)
+    for m, g in enumerate(per_micro):
+        gm.start_micro_step(None, m, M)
+        for s in layout.non_block:
+            t, acc = gm.non_block_full(s.name, None)
+            add(t, g[s.name], acc)
+            gm.notify_non_block(s.name, None)
+        for layer in reversed(range(layout.num_layers)):
+            dw, acc = gm.block_full(layer, None)
+            for s in layout.block:
+                add(dw[s.name], g[f"layers.{layer}.{s.name}"], acc)
+            gm.notify_block(layer, None)
+        gm.end_micro_step(None)
+    out = shards(gm, layout)
+    gm.close()
+    return out
+
+
+def add(t: lg.Tensor, bits: np.ndarray, accumulate: bool) -> None:
+    view = t.numpy().reshape(-1).view(np.uint16)
+    g = torch.from_numpy(bits.reshape(-1).view(np.int16)).view(torch.bfloat16)
+    if accumulate:
+        cur = torch.from_numpy(view.view(np.int16).copy()).view(torch.bfloat16)
+        g = cur + g
+    view[:] = g.view(torch.int16).numpy().view(np.uint16)
+
+
+def shards(gm: Any, layout: lg.Layout) -> dict[str, Any]:
+    out = {}
+    for layer in range(layout.num_layers):
+        c = gm.block_shard(layer, None)
+        for s in layout.block:
+            out[f"{layer}.{s.name}"] = c[s.name].numpy().view(np.uint16).copy()
+    for s in layout.non_block:
+        out[s.name] = gm.non_block_shard(s.name, None).numpy().view(np.uint16).copy()
+    return out
+
+
+def through_adapter(comm: Any, strategy: str, M: int, steps: int = 1) -> dict[str, Any]:
+    model = Tiny()
+    att = attach(model, comm, strategy=strategy, seed=7)
+    for _ in range(steps):
+        for m in range(M):
+            with att.micro_step(m, M):
+                loss(model, comm.rank, m).backward()
+    out = shards(att.gm, att.layout)
+    assert all(p.grad is None for p in model.parameters())  # the gradients live in lowgrad only
+    att.close()
+    return out
+
+
+def test_layout_follows_the_module() -> None:
+    layout, blocks, non_block = module_layout(Tiny())
+    assert layout.num_layers == LAYERS and [s.name for s in layout.block] == [
+        "input_layernorm", "q_proj.weight", "q_proj.bias", "up_proj.weight", "down_proj.weight"]
+    assert [n for n, _ in non_block] == ["norm", "embed_tokens.weight", "lm_head.weight"]
+    assert blocks[2][1][0] == "q_proj.weight" and layout.block[1].shape == (H, H)
+
+
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str) -> None:
+    M = 3
+
+    def job(comm: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        got = through_adapter(comm, strategy, M)
+        model = Tiny()
+        layout = module_layout(model)[0]
+        per_micro = [grads(model, comm.rank, m) for m in range(M)]
+        return got, by_hand(comm, layout, per_micro, strategy)
+    for got, want in lg.run_threads(world, job, backend="host"):
+        assert got.keys() == want.keys()
+        for k in got:
+            assert np.array_equal(got[k], want[k]), k
+
+
+def test_shards_are_within_the_sr_bound_of_a_float64_sum() -> None:
+    M = 8
+    got = lg.run_threads(1, lambda c: through_adapter(c, "scatter_reduce", M), backend="host")[0]
+    model = Tiny()
+    ref: dict[str, np.ndarray] = {}
+    for m in range(M):
+        for n, bits in grads(model, 0, m).items():
+            g = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).double().numpy()
+            ref[n] = ref.get(n, 0) + g
+    for layer in range(LAYERS):
+        for name in ("q_proj.weight", "down_proj.weight"):
+            want = ref[f"layers.{layer}.{name}"]
+            shard = torch.from_numpy(got[f"{layer}.{name}"].view(np.int16)).view(torch.bfloat16).double().numpy()
+            ulp = 2.0 ** (np.floor(np.log2(np.abs(want).max() + 1e-30)) - 7)  # bf16 ulp at the largest sum
+            assert np.abs(shard - want).max() <= M * ulp, (layer, name)
+
+
+def test_misuse_raises() -> None:
+    def job(c: Any) -> str:
+        model = Tiny(skip=1)  # block 1 produces no gradient
+        att = attach(model, c)
+        with pytest.raises(ProtocolError, match="block 1"):
+            with att.micro_step(0, 1):
+                loss(model, 0, 0).backward()
+        att.close()
+
+        model = Tiny()
+        att = attach(model, c)
+        with pytest.raises(ProtocolError, match="outside"):
+            loss(model, 0, 0).backward()
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        with pytest.raises(ValueError, match="changed after attach"):
+            with att.micro_step(0, 1):
+                pass
+        att.close()
+
+        model = Tiny()
+        model.layers[2].q_proj = model.layers[0].q_proj  # shared between blocks
+        with pytest.raises(ValueError, match="shared"):
+            attach(model, c)
+
+        model = Tiny().float()  # fp32 gradients into bf16 buffers
+        att = attach(model, c)
+        with pytest.raises(TypeError, match="float32"):
+            with att.micro_step(0, 1):
+                loss(model, 0, 0).backward()
+        att.close()
+
+        with pytest.raises(ValueError, match="no transformer blocks"):
+            attach(torch.nn.Linear(4, 4), c)
+        return "ok"
+    assert lg.run_threads(1, job, backend="host") == ["ok"]
+
+
+def test_clip_coefficient_against_float64() -> None:
+    def job(c: Any) -> tuple[Any, ...]:
+        model = Tiny()
+        att = attach(model, c, strategy="scatter_reduce")
+        with att.micro_step(0, 1):
+            loss(model, c.rank, 0).backward()
+        coef, finite = att.clip_coefficient(0.05)
+        total = sum(float((t.double() ** 2).sum()) for layer in range(LAYERS)
+                    for t in att.block_shards(layer).values())
+        total += sum(float((att.non_block_shard(n).double() ** 2).sum()) for n, _ in module_layout(model)[2])
+        big, _ = att.clip_coefficient(1e9)
+        with att.micro_step(0, 1):  # a non-finite gradient: reported, coefficient 0
+            (loss(model, c.rank, 1) * float("inf")).backward()
+        bad, bad_finite = att.clip_coefficient(1.0)
+        att.close()
+        return float(coef), bool(finite), total, float(big), float(bad), bool(bad_finite)
+    results = lg.run_threads(2, job, backend="host")
+    total = sum(r[2] for r in results)  # the global norm covers every rank's shards
+    want = min(1.0, 0.05 / (np.sqrt(total) + 1e-6))
+    assert want < 1.0  # the test clips
+    for coef, finite, _, big, bad, bad_finite in results:
+        assert finite and abs(coef - want) <= 1e-5 * want and big == 1.0  # the norm is summed in fp32
+        assert bad == 0.0 and not bad_finite
