@@ -248,6 +248,87 @@ class Attached:
         return [(id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in self.model.parameters()]
 
 
+class ShardOptimizer:
+    """A PyTorch optimizer over this rank's gradient shards (ZeRO-2): after each completed step,
+    :meth:`step` hands the shards to ``optimizer_cls`` as the gradients of this rank's slices of
+    the parameters (rows ``[rank * d0 / world, (rank + 1) * d0 / world)`` of each), updates them,
+    writes them back into the module and, at world > 1, all-gathers every updated parameter so
+    each rank's module holds the whole model again. Runs on PyTorch's current stream.
+
+    ``master_weights=True`` keeps float32 copies of the slices (the optimizer updates those;
+    the module gets them rounded to nearest); False updates the module's bf16 rows in place.
+    ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``)."""
+
+    def __init__(self, attached: Attached, optimizer_cls: Any = None, master_weights: bool = True,
+                 **optimizer_kwargs: Any) -> None:
+        self.attached = attached
+        comm = attached.gm.comm
+        self.rank, self.world = comm.rank, comm.world
+        self._slots: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (module param, its rows, shard getter)
+        for layer, params in enumerate(attached._blocks):
+            for n, p in params:
+                self._slots.append((p, self._rows(p), (layer, n)))
+        for n, p in attached._non_block:
+            self._slots.append((p, self._rows(p), n))
+        self.master_weights = master_weights
+        self.params = [torch.nn.Parameter(rows.detach().float().clone() if master_weights else rows.detach())
+                       for _, rows, _ in self._slots]
+        self.optimizer = (optimizer_cls or torch.optim.AdamW)(self.params, **optimizer_kwargs)
+        biggest = max(p.numel() for p, _, _ in self._slots)
+        self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
+            if self.world > 1 else None
+
+    def _rows(self, p: torch.Tensor) -> torch.Tensor:
+        per = p.shape[0] // self.world
+        return p.detach()[self.rank * per:(self.rank + 1) * per]
+
+    def step(self, max_norm: float | None = None) -> torch.Tensor | None:
+        """One optimizer step from the completed step's shards; with ``max_norm``, the gradients
+        are first scaled by :meth:`Attached.clip_coefficient` (a non-finite norm scales them by
+        0) and the ``finite`` flag is returned (a 0-d bool tensor; no host sync)."""
+        att = self.attached
+        finite = None
+        coef = None
+        if max_norm is not None:
+            coef, finite = att.clip_coefficient(max_norm)
+        blocks: dict[int, dict[str, torch.Tensor]] = {}
+        for param, (_, _, key) in zip(self.params, self._slots):
+            if isinstance(key, tuple):
+                layer, name = key
+                shard = (blocks.get(layer) or blocks.setdefault(layer, att.block_shards(layer)))[name]
+            else:
+                shard = att.non_block_shard(key)
+            grad = shard.float() if self.master_weights else shard.clone()
+            if coef is not None:
+                grad.mul_(coef.to(grad.dtype))
+            param.grad = grad
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+        with torch.no_grad():
+            for (module_param, rows, _), param in zip(self._slots, self.params):
+                if self.master_weights:
+                    rows.copy_(param)
+                if self._gather is not None:
+                    self._all_gather(module_param)
+        return finite
+
+    def _all_gather(self, p: torch.Tensor) -> None:
+        """Every rank's updated rows of ``p`` into every rank's ``p`` (through one lowgrad buffer)."""
+        n = p.numel()
+        buf = self._gather.view(0, n)  # type: ignore[union-attr]
+        full = self.attached._torch(buf).view(p.shape)
+        own = self._rows(full)
+        own.copy_(self._rows(p))
+        self.attached.gm.comm.all_gather(buf, stream=self.attached._current_stream())
+        p.detach().copy_(full)
+
+    def close(self) -> None:
+        if self._gather is not None:
+            self._gather.close()
+            self._gather = None
+
+
 def attach(model: torch.nn.Module, comm: Any, blocks: str | None = None, **manager_args: Any) -> Attached:
     """Attach a gradient manager to ``model`` for rank ``comm.rank``: the layout derived from the
     module (:func:`module_layout`), ``manager_args`` as for :func:`lowgrad.create_gradient_manager`

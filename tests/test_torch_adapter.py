@@ -222,3 +222,53 @@ def test_clip_coefficient_against_float64() -> None:
     for coef, finite, _, big, bad, bad_finite in results:
         assert finite and abs(coef - want) <= 1e-5 * want and big == 1.0  # the norm is summed in fp32
         assert bad == 0.0 and not bad_finite
+
+
+@pytest.mark.parametrize("master", [True, False])
+def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool) -> None:
+    """Two steps at world 2 (AdamW over each rank's shards, clipped, then all-gathered): every
+    rank ends with the same module, equal to AdamW on the full parameters with the full averaged
+    gradients (the ranks' shards put together), elementwise the same arithmetic."""
+    from lowgrad.torch import ShardOptimizer
+    M, kw = 2, {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}
+
+    def job(c: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        model = Tiny()
+        att = attach(model, c, strategy="scatter_reduce", seed=3)
+        opt = ShardOptimizer(att, master_weights=master, **kw)
+        grads_per_step = []
+        for _ in range(2):
+            for m in range(M):
+                with att.micro_step(m, M):
+                    loss(model, c.rank, m).backward()
+            grads_per_step.append({f"layers.{layer}.{n}": t.clone() for layer in range(LAYERS)
+                                   for n, t in att.block_shards(layer).items()}
+                                  | {n: att.non_block_shard(n).clone() for n, _ in module_layout(model)[2]}
+                                  | {"coef": att.clip_coefficient(0.5)[0].clone()})
+            assert bool(opt.step(max_norm=0.5))
+        final = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.close()
+        att.close()
+        return grads_per_step, final
+
+    results = lg.run_threads(2, job, backend="host")
+    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])  # one model
+    ref = Tiny()
+    params = dict(ref.named_parameters())
+    masters = {n: p.detach().float().clone().requires_grad_() if master else p for n, p in params.items()}
+    opt = torch.optim.AdamW(list(masters.values()), **kw)
+    for step in range(2):
+        full = {n: torch.cat([results[r][0][step][n] for r in range(2)]) for n in params}
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in full.values()))
+        coef = results[0][0][step]["coef"]  # the manager's (fp32 sum of squares, sqrt in float64) ...
+        assert coef < 1 and abs(float(coef) - 0.5 / (float(norm) + 1e-6)) <= 1e-5 * float(coef)  # ... = float64
+        for n, mp in masters.items():
+            g = full[n].float() if master else full[n].clone()
+            mp.grad = g.mul_(coef.to(g.dtype))
+        opt.step()
+        if master:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(masters[n])
+    for n, p in params.items():
+        assert torch.equal(results[0][1][n], p.detach()), n  # elementwise AdamW: bit for bit
