@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""A Qwen2-architecture transformer trained on the Python standard library's source (byte-level),
+with PyTorch's own gradients or through lowgrad (lowgrad.torch).
+
+Modes (``--mode``), each with AdamW, fp32 master weights, gradient clipping at ``--clip``:
+
+- ``torch_fp32``: fp32 parameters and gradients, bf16 autocast for the compute;
+- ``torch_bf16``: bf16 parameters, gradients accumulated by autograd in bf16 (round to nearest),
+  fp32 master weights in the optimizer;
+- ``lowgrad``: bf16 parameters, gradients through a lowgrad gradient manager (``--strategy``,
+  SR into bf16 shards), :class:`lowgrad.torch.ShardOptimizer` with fp32 master weights.
+
+The model is Qwen2.5-0.5B's architecture (``--size 0.5b``: hidden 896, 24 layers, 14/2 heads,
+intermediate 4864) with a 256-symbol byte vocabulary and tied embeddings (0.36B parameters;
+random initialisation — nothing is downloaded), or a tiny one for a CPU smoke run (``--size
+tiny``). It runs on the GPU when there is one (lowgrad's CUDA backend), else on the CPU (the host
+backend). The loss of every step, the median step time, PyTorch's peak memory and lowgrad's
+memory report go to ``--json``.
+
+    python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce --steps 300 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import lowgrad as lg  # noqa: E402
+import lowgrad.torch  # noqa: E402,F401  (lowgrad.torch.attach)
+
+SIZES = {
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+             "num_hidden_layers": 24},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 2},
+}
+
+
+def corpus(limit: int = 64 << 20) -> torch.Tensor:
+    """The standard library's .py files as one byte tensor (uint8 values as int64 tokens)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for p in sorted(root.rglob("*.py")):
+        if "site-packages" in p.parts:
+            continue
+        data = p.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    if not chunks:
+        raise FileNotFoundError(f"no .py files under {root}")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+
+
+def batches(text: torch.Tensor, batch: int, seq: int, seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, text.numel() - seq - 1, (batch,), generator=g)
+        window = torch.stack([text[s:s + seq + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def build(size: str, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=256, tie_word_embeddings=True, max_position_embeddings=4096, **SIZES[size])
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    cuda = getattr(comm.device, "backend", "host") == "cuda"
+    device = torch.device("cuda", comm.device.ordinal) if cuda else torch.device("cpu")
+    dtype = torch.float32 if args.mode == "torch_fp32" else torch.bfloat16
+    model = build(args.size, dtype, device, args.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
+    attached = opt = masters = None
+    if args.mode == "lowgrad":
+        attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed)
+        opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
+    elif args.mode == "torch_bf16":
+        masters = [p.detach().float().clone().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(masters, **kw)
+    else:
+        opt = torch.optim.AdamW(params, **kw)
+    data = batches(corpus(), args.batch, args.seq, args.seed + 1)
+    M, losses, times = args.micro_steps, [], []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for m in range(M):
+            x, y = (t.to(device, non_blocking=True) for t in next(data))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.mode == "torch_fp32"):
+                logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1)) / M
+            if attached is not None:
+                with attached.micro_step(m, M):
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.detach()
+        if attached is not None:
+            opt.step(max_norm=args.clip)  # type: ignore[union-attr]
+        else:
+            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            if masters is not None:
+                for p, mp in zip(params, masters):
+                    mp.grad = p.grad.float()
+            opt.step()  # type: ignore[union-attr]
+            if masters is not None:
+                with torch.no_grad():
+                    for p, mp in zip(params, masters):
+                        p.copy_(mp)
+                        mp.grad = None
+            model.zero_grad(set_to_none=True)
+        losses.append(float(total))  # one host sync per step, in every mode
+        times.append(time.perf_counter() - t0)
+        if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
+    out = {"mode": args.mode, "strategy": args.strategy if attached is not None else None, "size": args.size,
+           "params": sum(p.numel() for p in params), "seed": args.seed, "micro_steps": M, "batch": args.batch,
+           "seq": args.seq, "losses": losses,
+           "step_ms_median": 1e3 * statistics.median(times[min(2, len(times) - 1):]),
+           "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+           "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
+           "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d")}
+    if attached is not None:
+        opt.close()  # type: ignore[union-attr]
+        attached.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
+    p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
+    p.add_argument("--size", choices=tuple(SIZES), default="0.5b")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--micro-steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    backend = "cuda" if lg.device_count() > 0 else "host"
+    result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
+    print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['losses'][-1]:.4f}, "
+          f"median step {result['step_ms_median']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
