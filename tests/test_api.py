@@ -3,7 +3,7 @@ one exception tree, the version defined once, ``device_count`` without a driver,
 packaging metadata that ships ``py.typed``, the license and the examples."""
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import inspect
 import pkgutil
 import pydoc
@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _modules() -> list[object]:
-    names = [m.name for m in pkgutil.walk_packages(lowgrad.__path__, "lowgrad.") if m.name != "lowgrad.__main__"]
+    optional = set() if importlib.util.find_spec("torch") else {"lowgrad.torch"}  # imports PyTorch, an extra
+    names = [m.name for m in pkgutil.walk_packages(lowgrad.__path__, "lowgrad.")
+             if m.name != "lowgrad.__main__" and m.name not in optional]
     return [lowgrad, *(importlib.import_module(n) for n in names)]
 
 

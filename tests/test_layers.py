@@ -128,10 +128,10 @@ WHOLE = {"layers", "api", "contract", "one_definition", "gc_storm", "install", "
 
 def test_test_files_are_named_after_modules() -> None:
     """``tests/test_<module>[_<topic>][_props|_gpu].py`` (``<layer>_<module>`` where two layers
-    share a module name; or ``<tool>`` for a script of ``tools/``), or one of the whole-package
-    tests."""
+    share a module name; or ``<script>`` for a script of ``tools/`` or ``examples/``), or one of
+    the whole-package tests."""
     stems = {m.split(".")[-1] for m in _modules()} | {m.replace(".", "_") for m in _modules()}
-    stems |= {p.stem for p in (PKG.parent / "tools").glob("*.py")}
+    stems |= {p.stem for d in ("tools", "examples") for p in (PKG.parent / d).glob("*.py")}
     bad = []
     for path in sorted((PKG.parent / "tests").glob("test_*.py")):
         name = path.stem[len("test_"):].removesuffix("_gpu").removesuffix("_props")
