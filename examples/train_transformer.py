@@ -142,6 +142,29 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Real gradients for tools/accuracy.py: the fp32 gradients of ``--micro-steps`` micro-batches
+    of text on the model as initialised (no update between them, as within one step), each scaled
+    by 1/M as in training, sampled at ``--save-elems`` fixed positions; saved as (M, n) float32."""
+    cuda = getattr(comm.device, "backend", "host") == "cuda"
+    device = torch.device("cuda", comm.device.ordinal) if cuda else torch.device("cpu")
+    model = build(args.size, torch.float32, device, args.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    pick = torch.randperm(total, generator=torch.Generator().manual_seed(args.seed))[:args.save_elems].sort().values
+    pick = pick.to(device)
+    data, M, rows = batches(corpus(), args.batch, args.seq, args.seed + 1), args.micro_steps, []
+    for _ in range(M):
+        x, y = (t.to(device) for t in next(data))
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.float().reshape(-1, 256), y.reshape(-1))
+        (loss / M).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in params])[pick].cpu())
+    import numpy as np
+    np.save(args.save_grads, torch.stack(rows).numpy())
+    return {"saved": args.save_grads, "micro_steps": M, "elements": int(pick.numel()), "params": total}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
@@ -157,8 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--save-grads", metavar="PATH.npy",
+                   help="instead of training: save --micro-steps micro-batches' fp32 gradients for tools/accuracy.py")
+    p.add_argument("--save-elems", type=int, default=65536, help="with --save-grads: sampled gradient elements")
     args = p.parse_args(argv)
     backend = "cuda" if lg.device_count() > 0 else "host"
+    if args.save_grads:
+        print(lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0])
+        return 0
     result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
     print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['losses'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")

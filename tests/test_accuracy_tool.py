@@ -58,6 +58,8 @@ def test_own_gradients_from_files(tmp_path: Path) -> None:
     assert acc.main(["--grads", str(npy), "--json", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["micro"] == 8 and row["n"] == 64 and set(acc.MODES) <= row.keys()
+    assert acc.main(["--grads", str(npy), "--micro", "2,8,99", "--json", str(out)]) == 0  # prefixes; 99 > M
+    assert [r["micro"] for r in json.loads(out.read_text())["rows"]] == [2, 8]
     assert len(acc.load_grads(str(npz))) == 8
     np.save(tmp_path / "flat.npy", grads[0])
     with pytest.raises(ValueError, match="shape"):

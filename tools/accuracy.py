@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grads", help=".npy (M, n) or .npz of your gradients, one array per micro-step")
     p.add_argument("--sigma", default="0,1,10", help="synthetic: noise scales (comma list)")
-    p.add_argument("--micro", default="16,256,4096", help="synthetic: micro-step counts (comma list)")
+    p.add_argument("--micro", default=None,
+                   help="micro-step counts (comma list; synthetic default 16,256,4096); with --grads, the first M "
+                        "micro-steps of the file (default: all of them)")
     p.add_argument("--n", type=int, default=4096, help="synthetic: elements")
     p.add_argument("--seed", type=int, default=1, help="base seed of the SR noise")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "accuracy.json"))
@@ -140,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     if args.grads:
         grads = load_grads(args.grads)
-        rows.append({"source": args.grads, "micro": len(grads), "n": grads[0].size, **errors(grads, args.seed)})
+        counts = [int(m) for m in args.micro.split(",") if int(m) <= len(grads)] if args.micro else [len(grads)]
+        for micro in counts or [len(grads)]:
+            rows.append({"source": os.path.basename(args.grads), "micro": micro, "n": grads[0].size,
+                         **errors(grads[:micro], args.seed)})
     else:
         for sigma in (float(s) for s in args.sigma.split(",")):
-            for micro in (int(m) for m in args.micro.split(",")):
+            for micro in (int(m) for m in (args.micro or "16,256,4096").split(",")):
                 rows.append({"source": f"synthetic sigma={sigma:g}", "sigma": sigma, "micro": micro, "n": args.n,
                              **errors(list(synthetic(sigma, micro, args.n)), args.seed)})
     print(f"accuracy: relative L2 error against a float64 sum (bias: mean error / mean |error|, %); "
