@@ -55,7 +55,7 @@ class Tiny(torch.nn.Module):
 
 def loss(model: Any, rank: int, m: int) -> Any:
     g = torch.Generator().manual_seed(1000 * rank + m)
-    tokens = torch.randint(0, V, (4, 5), generator=g)
+    tokens = torch.randint(0, V, (4, 5), generator=g).to(next(model.parameters()).device)
     return torch.nn.functional.cross_entropy(model(tokens).float().reshape(-1, V), tokens.reshape(-1))
 
 
@@ -63,7 +63,7 @@ def grads(model: Any, rank: int, m: int) -> dict[str, np.ndarray]:
     """Plain PyTorch: one micro-batch's gradients (bf16 bits as uint16)."""
     model.zero_grad(set_to_none=True)
     loss(model, rank, m).backward()
-    return {n: p.grad.view(torch.int16).numpy().view(np.uint16).copy() for n, p in model.named_parameters()}
+    return {n: p.grad.view(torch.int16).cpu().numpy().view(np.uint16).copy() for n, p in model.named_parameters()}
 
 
 def by_hand(comm: Any, layout: lg.Layout, per_micro: list[dict[str, np.ndarray]], strategy: str) -> dict[str, Any]:
@@ -96,14 +96,14 @@ def add(t: lg.Tensor, bits: np.ndarray, accumulate: bool) -> None:
     view[:] = g.view(torch.int16).numpy().view(np.uint16)
 
 
-def shards(gm: Any, layout: lg.Layout) -> dict[str, Any]:
+def shards(gm: Any, layout: lg.Layout, stream: Any = None) -> dict[str, Any]:
     out = {}
     for layer in range(layout.num_layers):
-        c = gm.block_shard(layer, None)
+        c = gm.block_shard(layer, stream)
         for s in layout.block:
             out[f"{layer}.{s.name}"] = c[s.name].numpy().view(np.uint16).copy()
     for s in layout.non_block:
-        out[s.name] = gm.non_block_shard(s.name, None).numpy().view(np.uint16).copy()
+        out[s.name] = gm.non_block_shard(s.name, stream).numpy().view(np.uint16).copy()
     return out
 
 
