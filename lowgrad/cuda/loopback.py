@@ -3,7 +3,7 @@
 :class:`~lowgrad.cuda.communicator.Communicator`.
 
 It is a test and development vehicle: a one-GPU machine (or a laptop with one GPU) runs an
-engine at world 2..64 through the whole CUDA path — each rank with its own streams, events and
+engine at world 2..32 through the whole CUDA path — each rank with its own streams, events and
 allocations — so a missing event wait between an engine's stream, a manager's communication
 stream and the copy engines shows up as a wrong result before the code meets a multi-GPU node.
 All ranks share one GPU's memory bandwidth, so it says nothing about multi-GPU speed.
