@@ -129,9 +129,11 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
-    out = {"mode": args.mode, "strategy": args.strategy if attached is not None else None, "size": args.size,
+    label = f"{args.mode}{'/' + args.strategy if attached is not None else ''} seed {args.seed}"
+    out = {"label": label, "mode": args.mode, "strategy": args.strategy if attached is not None else None,
+           "size": args.size,
            "params": sum(p.numel() for p in params), "seed": args.seed, "micro_steps": M, "batch": args.batch,
-           "seq": args.seq, "losses": losses,
+           "seq": args.seq, "loss": losses,
            "step_ms_median": 1e3 * statistics.median(times[min(2, len(times) - 1):]),
            "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
            "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0])
         return 0
     result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
-    print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['losses'][-1]:.4f}, "
+    print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['loss'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:

@@ -28,7 +28,7 @@ def test_every_mode_trains_from_the_same_start(tmp_path: Path) -> None:
                         "--seq", "32", "--log-every", "0", "--json", str(out)]) == 0
         runs[mode] = json.loads(out.read_text())
     for r in runs.values():
-        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
-        assert r["losses"][-1] < r["losses"][0]
-    assert runs["lowgrad"]["losses"][0] == runs["torch_bf16"]["losses"][0]  # same bf16 model and data
+        assert len(r["loss"]) == 3 and all(math.isfinite(x) for x in r["loss"])
+        assert r["loss"][-1] < r["loss"][0]
+    assert runs["lowgrad"]["loss"][0] == runs["torch_bf16"]["loss"][0]  # same bf16 model and data
     assert runs["lowgrad"]["strategy"] == "all_to_all" and runs["lowgrad"]["lowgrad"]  # its memory report
