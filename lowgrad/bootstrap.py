@@ -130,7 +130,7 @@ def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event]
 
 
 def _loopback_factory(world: int, timeout: float, share: Any) -> Callable[[int, threading.Event], CommBase]:
-    from lowgrad.cuda.device import Device, device_count
+    from lowgrad.cuda.device import Device
     from lowgrad.cuda.loopback import LoopbackCommunicator, LoopbackGroup
 
     dev: DeviceBase

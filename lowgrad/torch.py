@@ -295,7 +295,9 @@ class ShardOptimizer:
         for param, (_, _, key) in zip(self.params, self._slots):
             if isinstance(key, tuple):
                 layer, name = key
-                shard = (blocks.get(layer) or blocks.setdefault(layer, att.block_shards(layer)))[name]
+                if layer not in blocks:
+                    blocks[layer] = att.block_shards(layer)
+                shard = blocks[layer][name]
             else:
                 shard = att.non_block_shard(key)
             grad = shard.float() if self.master_weights else shard.clone()
