@@ -97,7 +97,13 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     M, losses, times = args.micro_steps, [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    prof, profiled = None, None
     for step in range(args.steps):
+        if args.profile and step == PROFILE_FROM:
+            torch.cuda.synchronize(device) if cuda else None
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            prof.start()
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
         for m in range(M):
@@ -127,6 +133,10 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
         losses.append(float(total))  # one host sync per step, in every mode
         times.append(time.perf_counter() - t0)
+        if prof is not None and step == PROFILE_FROM + PROFILE_STEPS - 1:
+            prof.stop()
+            profiled, prof = gpu_overlap(prof, PROFILE_STEPS), None
+            print(json.dumps(profiled, indent=1), flush=True)
         if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
     label = f"{args.mode}{'/' + args.strategy if attached is not None else ''} seed {args.seed}"
@@ -137,11 +147,62 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
            "step_ms_median": 1e3 * statistics.median(times[min(2, len(times) - 1):]),
            "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
            "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
-           "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d")}
+           "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled}
     if attached is not None:
         opt.close()  # type: ignore[union-attr]
         attached.close()
     return out
+
+
+PROFILE_FROM, PROFILE_STEPS = 3, 3
+
+
+def gpu_overlap(prof: Any, steps: int) -> dict[str, Any]:
+    """From a profiler trace of ``steps`` steps: GPU time per stream (kernels and copies, ms per
+    step), and how much of the work on the side streams (lowgrad's: the manager's exchange and
+    accumulation) ran while the busiest stream (PyTorch's compute) was also busy — the part of
+    the manager's GPU work hidden behind backward."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    spans: dict[int, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            spans.setdefault(int(e.get("args", {}).get("stream", -1)), []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")))
+    if not spans:
+        return {"streams": {}}
+    busy = {s: sum(b - a for a, b, _ in v) for s, v in spans.items()}
+    main = max(busy, key=lambda s: busy[s])
+    merged: list[list[float]] = []
+    for a, b, _ in sorted(spans[main]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [m[0] for m in merged]
+
+    def covered(a: float, b: float) -> float:
+        import bisect
+        i, got = max(bisect.bisect_right(starts, a) - 1, 0), 0.0
+        while i < len(merged) and merged[i][0] < b:
+            got += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+            i += 1
+        return got
+    side = [(a, b, n) for s, v in spans.items() if s != main for a, b, n in v]
+    side_total = sum(b - a for a, b, _ in side)
+    hidden = sum(covered(a, b) for a, b, _ in side)
+    names: dict[str, float] = {}
+    for a, b, n in side:
+        names[n[:60]] = names.get(n[:60], 0.0) + (b - a)
+    lo = min(a for v in spans.values() for a, _, _ in v)
+    hi = max(b for v in spans.values() for _, b, _ in v)
+    return {"steps": steps, "main_stream": main, "gpu_span_ms_per_step": (hi - lo) / 1e3 / steps,
+            "stream_busy_ms_per_step": {str(s): t / 1e3 / steps for s, t in sorted(busy.items())},
+            "side_ms_per_step": side_total / 1e3 / steps,
+            "side_hidden_fraction": hidden / side_total if side_total else None,
+            "side_kernels_ms_per_step": {n: t / 1e3 / steps for n, t in sorted(names.items(), key=lambda x: -x[1])[:8]}}
 
 
 def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -154,16 +215,20 @@ def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
     pick = torch.randperm(total, generator=torch.Generator().manual_seed(args.seed))[:args.save_elems].sort().values
-    pick = pick.to(device)
-    data, M, rows = batches(corpus(), args.batch, args.seq, args.seed + 1), args.micro_steps, []
-    for _ in range(M):
+    starts = [0]
+    for p in params:
+        starts.append(starts[-1] + p.numel())
+    per_param = [(p, (pick[(pick >= a) & (pick < b)] - a).to(device)) for p, a, b in zip(params, starts, starts[1:])]
+    data, M = batches(corpus(), args.batch, args.seq, args.seed + 1), args.micro_steps
+    rows = torch.empty((M, pick.numel()), dtype=torch.float32, device=device)
+    for m in range(M):
         x, y = (t.to(device) for t in next(data))
         model.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.float().reshape(-1, 256), y.reshape(-1))
         (loss / M).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in params])[pick].cpu())
+        torch.cat([p.grad.reshape(-1)[i] for p, i in per_param], out=rows[m])
     import numpy as np
-    np.save(args.save_grads, torch.stack(rows).numpy())
+    np.save(args.save_grads, rows.cpu().numpy())
     return {"saved": args.save_grads, "micro_steps": M, "elements": int(pick.numel()), "params": total}
 
 
@@ -182,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and how "
+                        "much of the side streams' work (lowgrad's) overlaps the compute stream")
     p.add_argument("--save-grads", metavar="PATH.npy",
                    help="instead of training: save --micro-steps micro-batches' fp32 gradients for tools/accuracy.py")
     p.add_argument("--save-elems", type=int, default=65536, help="with --save-grads: sampled gradient elements")
@@ -190,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_grads:
         print(lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0])
         return 0
+    if args.profile and backend == "cuda":  # the profiler's CUDA side initialises in the main thread
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.zeros(1, device="cuda").add_(1)
     result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
     print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['loss'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")

@@ -23,6 +23,10 @@ gradient arrived, so the exchange and SR accumulation of block ``l`` overlap the
 ``.grad`` only by adding), so this one copy per gradient is the least PyTorch allows; the
 gradients never exist as a second full set: at most one parameter's temporary at a time.
 
+Ranks that share one GPU (the loopback communicator) deliver at the end of each micro-step instead
+(see ``overlap`` in :func:`attach`): their collectives meet on the host, and PyTorch runs the
+backward hooks of every rank on the GPU's one autograd thread.
+
 Misuse raises: a block that produced no gradient, or only part of its gradients, in a micro-step
 (at the end of the ``with``), gradients of blocks out of backward order, a parameter shared
 between blocks or between a block and the rest, a model whose parameters changed after
@@ -31,6 +35,7 @@ a backward outside ``micro_step``.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -101,8 +106,15 @@ class Attached:
     """A gradient manager fed by a module's backward (see :func:`attach`). ``gm`` is the
     manager; shards and the norm are read through it or through the torch views below."""
 
-    def __init__(self, model: torch.nn.Module, comm: Any, blocks: str | None = None, **manager_args: Any) -> None:
+    def __init__(self, model: torch.nn.Module, comm: Any, blocks: str | None = None, overlap: bool = True,
+                 **manager_args: Any) -> None:
+        if not isinstance(overlap, bool):
+            raise TypeError(f"attach: overlap must be a bool, got {overlap!r}")
         self.model = model
+        self.overlap = overlap
+        self._meets = bool(getattr(comm, "meets_peers_on_host", False))
+        self._thread = 0  # the thread that entered the micro-step
+        self._defer: bool | None = None  # this micro-step delivers at the end (decided at its first gradient)
         self.layout, self._blocks, self._non_block = module_layout(model, blocks)
         self.gm = create_gradient_manager(self.layout, comm, **manager_args)
         self.device = comm.device
@@ -136,8 +148,11 @@ class Attached:
         self._stream = self._current_stream()
         self.gm.start_micro_step(self._stream, micro_step, total_micro_steps)
         self._active, self._fetched, self._next = True, None, self.layout.num_layers - 1
+        self._thread, self._defer = threading.get_ident(), None
         try:
             yield self
+            if self._defer:
+                self._deliver_deferred()
             if self._fetched is not None:
                 raise ProtocolError(f"attached.micro_step: block {self._fetched} produced only part of its gradients "
                                     f"(missing {sorted(self._missing)})")
@@ -148,37 +163,65 @@ class Attached:
         finally:
             self._active = False
 
+    def _deferring(self, name: str) -> bool:
+        """Whether this micro-step leaves the gradients in ``p.grad`` until its end: always with
+        ``overlap=False``; and where the communicator meets its peers on the host while the hooks
+        run on another thread than the micro-step's (PyTorch runs a CUDA backward's hooks on one
+        autograd thread per GPU, shared by every rank that uses the GPU: a rank waiting there for
+        its peers would wait forever)."""
+        self._check_active(name)
+        if self._defer is None:
+            self._defer = not self.overlap or (self._meets and threading.get_ident() != self._thread)
+        return self._defer
+
+    def _deliver_deferred(self) -> None:
+        """Deliver the gradients the hooks left in ``p.grad``: the non-block ones, then the
+        blocks from the last to the first, as an overlapped backward would have."""
+        for name, p in self._non_block:
+            if p.grad is not None:
+                self._non_block_arrived(name, p)
+        for layer in reversed(range(self.layout.num_layers)):
+            for name, p in self._blocks[layer]:
+                if p.grad is not None:
+                    self._block_arrived(layer, name, p)
+
     def _block_hook(self, layer: int, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
-            self._check_active(name)
-            if self._fetched != layer:
-                if self._fetched is not None:
-                    raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived while block "
-                                        f"{self._fetched} still misses {sorted(self._missing)}: blocks must finish "
-                                        "their backward one after another, from the last to the first")
-                if layer != self._next:
-                    raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived, expected block "
-                                        f"{self._next} (backward goes from the last block to the first)")
-                dw, self._accumulate = self.gm.block_full(layer, self._stream)
-                self._buffers = {n: self._torch(dw[n]) for n, _ in self._blocks[layer]}
-                self._missing = set(self._buffers)
-                self._fetched = layer
-            if name not in self._missing:
-                raise ProtocolError(f"lowgrad.torch: block {layer}'s {name} delivered a gradient twice in one backward")
-            self._deliver(p, self._buffers[name], self._accumulate, f"block {layer} {name}")
-            self._missing.discard(name)
-            if not self._missing:
-                self.gm.notify_block(layer, self._stream)
-                self._fetched, self._next = None, layer - 1
+            if not self._deferring(name):
+                self._block_arrived(layer, name, p)
         return hook
+
+    def _block_arrived(self, layer: int, name: str, p: torch.Tensor) -> None:
+        if self._fetched != layer:
+            if self._fetched is not None:
+                raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived while block "
+                                    f"{self._fetched} still misses {sorted(self._missing)}: blocks must finish "
+                                    "their backward one after another, from the last to the first")
+            if layer != self._next:
+                raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived, expected block "
+                                    f"{self._next} (backward goes from the last block to the first)")
+            dw, self._accumulate = self.gm.block_full(layer, self._stream)
+            self._buffers = {n: self._torch(dw[n]) for n, _ in self._blocks[layer]}
+            self._missing = set(self._buffers)
+            self._fetched = layer
+        if name not in self._missing:
+            raise ProtocolError(f"lowgrad.torch: block {layer}'s {name} delivered a gradient twice in one backward")
+        self._deliver(p, self._buffers[name], self._accumulate, f"block {layer} {name}")
+        self._missing.discard(name)
+        if not self._missing:
+            self.gm.notify_block(layer, self._stream)
+            self._fetched, self._next = None, layer - 1
 
     def _non_block_hook(self, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
-            self._check_active(name)
-            buf, accumulate = self.gm.non_block_full(name, self._stream)
-            self._deliver(p, self._torch(buf), accumulate, name)
-            self.gm.notify_non_block(name, self._stream)
+            if not self._deferring(name):
+                self._non_block_arrived(name, p)
         return hook
+
+    def _non_block_arrived(self, name: str, p: torch.Tensor) -> None:
+        buf, accumulate = self.gm.non_block_full(name, self._stream)
+        self._deliver(p, self._torch(buf), accumulate, name)
+        self.gm.notify_non_block(name, self._stream)
 
     def _deliver(self, p: torch.Tensor, buf: torch.Tensor, accumulate: bool, what: str) -> None:
         g = p.grad
@@ -331,10 +374,16 @@ class ShardOptimizer:
             self._gather = None
 
 
-def attach(model: torch.nn.Module, comm: Any, blocks: str | None = None, **manager_args: Any) -> Attached:
+def attach(model: torch.nn.Module, comm: Any, blocks: str | None = None, overlap: bool = True,
+           **manager_args: Any) -> Attached:
     """Attach a gradient manager to ``model`` for rank ``comm.rank``: the layout derived from the
     module (:func:`module_layout`), ``manager_args`` as for :func:`lowgrad.create_gradient_manager`
     (``strategy``, ``offload``, ``dtype``, ``seed``, ``step``). The model's parameters must live
     where ``comm.device`` can read them through DLPack (a CUDA device: the same GPU; the host
-    backend: the CPU) and have the manager's gradient dtype (bf16 by default)."""
-    return Attached(model, comm, blocks, **manager_args)
+    backend: the CPU) and have the manager's gradient dtype (bf16 by default).
+
+    ``overlap=False`` leaves each gradient in ``p.grad`` until the end of the micro-step and
+    delivers them all there (no overlap with backward, one full set of gradients at a time, as
+    plain PyTorch). It is chosen by itself where ranks share one GPU through the loopback
+    communicator: PyTorch runs their backward hooks on one shared autograd thread."""
+    return Attached(model, comm, blocks, overlap, **manager_args)

@@ -107,9 +107,9 @@ def shards(gm: Any, layout: lg.Layout, stream: Any = None) -> dict[str, Any]:
     return out
 
 
-def through_adapter(comm: Any, strategy: str, M: int, steps: int = 1) -> dict[str, Any]:
+def through_adapter(comm: Any, strategy: str, M: int, steps: int = 1, overlap: bool = True) -> dict[str, Any]:
     model = Tiny()
-    att = attach(model, comm, strategy=strategy, seed=7)
+    att = attach(model, comm, strategy=strategy, seed=7, overlap=overlap)
     for _ in range(steps):
         for m in range(M):
             with att.micro_step(m, M):
@@ -128,13 +128,14 @@ def test_layout_follows_the_module() -> None:
     assert blocks[2][1][0] == "q_proj.weight" and layout.block[1].shape == (H, H)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str) -> None:
+def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str, overlap: bool) -> None:
     M = 3
 
     def job(comm: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        got = through_adapter(comm, strategy, M)
+        got = through_adapter(comm, strategy, M, overlap=overlap)
         model = Tiny()
         layout = module_layout(model)[0]
         per_micro = [grads(model, comm.rank, m) for m in range(M)]
@@ -143,6 +144,49 @@ def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str) -> N
         assert got.keys() == want.keys()
         for k in got:
             assert np.array_equal(got[k], want[k]), k
+
+
+def test_ranks_whose_hooks_share_one_thread_deliver_at_the_end() -> None:
+    """As PyTorch does for ranks on one GPU: every rank's backward (and so its hooks) runs on one
+    shared thread, one rank after the other. Ranks whose collectives meet on the host would wait
+    there for each other forever; the adapter sees the foreign thread and delivers at the end of
+    the micro-step instead, with the same result."""
+    import queue
+    import threading
+    jobs: queue.Queue[Any] = queue.Queue()
+
+    def engine() -> None:  # the one shared "autograd thread"
+        while (item := jobs.get()) is not None:
+            fn, done = item
+            try:
+                fn()
+            finally:
+                done.set()
+    worker = threading.Thread(target=engine, daemon=True)
+    worker.start()
+
+    def backward_elsewhere(t: Any) -> None:
+        done = threading.Event()
+        jobs.put((t.backward, done))
+        assert done.wait(30)
+
+    def job(comm: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        M, model = 2, Tiny()
+        att = attach(model, comm, strategy="scatter_reduce", seed=7)
+        for m in range(M):
+            with att.micro_step(m, M):
+                backward_elsewhere(loss(model, comm.rank, m))
+        got = shards(att.gm, att.layout)
+        att.close()
+        ref = Tiny()
+        return got, by_hand(comm, module_layout(ref)[0], [grads(ref, comm.rank, m) for m in range(M)],
+                            "scatter_reduce")
+    try:
+        for got, want in lg.run_threads(2, job, backend="host", timeout=30):
+            for k in want:
+                assert np.array_equal(got[k], want[k]), k
+    finally:
+        jobs.put(None)
 
 
 def test_shards_are_within_the_sr_bound_of_a_float64_sum() -> None:

@@ -123,6 +123,9 @@ class CommBase(ABC):
     world: int
     device: Any
     timeout: float
+    #: True where a collective call blocks the calling host thread until every peer has made
+    #: it (the host backend, the loopback): ranks must not issue them from one shared thread.
+    meets_peers_on_host: bool = False
 
     def _init_base(self, rank: int, world: int, device: Any, timeout: float | None) -> None:
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:

@@ -184,6 +184,8 @@ class LoopbackCommunicator(CommBase):
     :class:`LoopbackGroup`); ``timeout`` (seconds, ``inf``: no limit; default the group's)
     bounds each device-side wait for a peer and :meth:`wait`."""
 
+    meets_peers_on_host = True
+
     def __init__(self, rank: int, group: LoopbackGroup, timeout: float | None = None) -> None:
         if not isinstance(group, LoopbackGroup):
             raise TypeError(f"group must be a LoopbackGroup, got {type(group).__name__}")

@@ -32,6 +32,8 @@ class HostCommunicator(CommBase):
     :class:`~lowgrad.HostDevice`, a new one when omitted). ``timeout`` (seconds, ``inf`` for no
     limit) bounds every rendezvous (default: the collective's)."""
 
+    meets_peers_on_host = True
+
     def __init__(self, rank: int, world: int, collective: ThreadCollective, device: HostDevice | None = None,
                  timeout: float | None = None) -> None:
         if not isinstance(collective, ThreadCollective):
