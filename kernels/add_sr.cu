@@ -11,7 +11,7 @@ template <typename D, typename A, typename B> struct AddSr {
   const A* a;
   const B* __restrict__ b;
   float scale;
-  uint2 key;
+  Rounding rd;
   u64 offset;
 
   template <int U, bool VEC> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count) const {
@@ -25,7 +25,7 @@ template <typename D, typename A, typename B> struct AddSr {
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[u][k] = __fmul_rn(__fadd_rn(x[u][k], y[u][k]), scale);
-      store8<VEC>(dst + e[u], count, x[u], group_noise<D>(key, offset + e[u]));
+      store8<VEC>(dst + e[u], count, x[u], rd, offset + e[u]);
     }
   }
 };
@@ -33,7 +33,7 @@ template <typename D, typename A, typename B> struct AddSr {
 template <typename D, typename A, typename B>
 __device__ __forceinline__ void add_sr(D* dst, const A* a, const B* __restrict__ b, float scale, u64 seed,
                                        u64 index_offset, u64 n) {
-  AddSr<D, A, B> f{dst, a, b, scale, sr_key(seed), index_offset};
+  AddSr<D, A, B> f{dst, a, b, scale, seed_rounding(seed), index_offset};
   for_each_group<ADD_UNROLL>(f, n, aligned16((u64)dst | (u64)a | (u64)b));
 }
 
@@ -60,7 +60,7 @@ ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
 // tensors of very different sizes runs like one large tensor (tools/bench_layer.py: 0.92 of copy
 // bandwidth for a 282 MB layer, where one block range per tensor reached 0.70-0.83).
 // Results equal separate add_sr launches (noise depends on the element index only). Tensor t's
-// seed is seed[t], or with a counter the per-use seed of (layer, lane = seed[t]) read when the
+// seed is seed[t], or with a counter the per-use rounding of (layer, lane = seed[t]) read when the
 // kernel runs (sr.cuh).
 // The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
 // (lowgrad/cuda/kernels.py reads these constants here).
@@ -76,16 +76,17 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel
 };
 
 template <typename D, typename A, typename B> __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
-  __shared__ u64 seeds[MULTI_MAX];
+  __shared__ Rounding rds[MULTI_MAX];
   if (threadIdx.x < m.count)
-    seeds[threadIdx.x] = m.counter ? counter_seed(m.counter, m.layer, (u32)m.seed[threadIdx.x]) : m.seed[threadIdx.x];
+    rds[threadIdx.x] = m.counter ? counter_rounding(m.counter, m.layer, (u32)m.seed[threadIdx.x])
+                                 : seed_rounding(m.seed[threadIdx.x]);
   __syncthreads();
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
-    const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, sr_key(seeds[t]), m.offset[t]};
+    const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, rds[t], m.offset[t]};
     const u64 n = m.n[t], full = n / GROUP_ELEMS;
     const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
     const bool vec = aligned16(m.dst[t] | m.a[t] | m.b[t]);

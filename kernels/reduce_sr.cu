@@ -1,6 +1,6 @@
 // dst = SR(((accumulate ? dst : +0) + sum over k != skip of src[k]) * scale), summed in float32 in
 // shard order; src holds n_shards consecutive blocks of n elements. Element i uses the noise of
-// index index_offset + i; with a counter the seed is the per-use seed of (layer, lane) (sr.cuh).
+// index index_offset + i; with a counter the rounding is the per-use one of (layer, lane) (sr.cuh).
 #include "sr.cuh"
 
 // Measured best on H200 (bf16, 8 shards): 2 groups of 8 per thread and iteration, 128 bytes of
@@ -16,7 +16,7 @@ template <typename D, typename S> struct ReduceSr {
   u32 skip;    // active shard m is shard m + (m >= skip); 0xffffffff for none
   float scale;
   int accumulate;
-  uint2 key;
+  Rounding rd;
   u64 offset, n;
 
   __device__ __forceinline__ const S* shard(u32 m) const { return src + (u64)(m + (m >= skip ? 1u : 0u)) * n; }
@@ -61,7 +61,7 @@ template <typename D, typename S> struct ReduceSr {
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[u][k] = __fmul_rn(acc[u][k], scale);
-      store8<VEC>(dst + e[u], count, acc[u], group_noise<D>(key, offset + e[u]));
+      store8<VEC>(dst + e[u], count, acc[u], rd, offset + e[u]);
     }
   }
 };
@@ -70,10 +70,10 @@ template <typename D, typename S>
 __device__ __forceinline__ void reduce_sr(D* __restrict__ dst, const S* __restrict__ src, u32 n_shards, int skip,
                                           float scale, int accumulate, u64 seed, u64 index_offset, u64 n,
                                           const SeedCounter* counter, u32 layer, u32 lane) {
-  seed = block_seed(seed, counter, layer, lane);
+  const Rounding rd = block_rounding(seed, counter, layer, lane);
   const bool skipping = skip >= 0 && (u32)skip < n_shards;
   ReduceSr<D, S> f{dst, src, n_shards - (skipping ? 1u : 0u), skipping ? (u32)skip : 0xffffffffu, scale, accumulate,
-                   sr_key(seed), index_offset, n};
+                   rd, index_offset, n};
   // every shard block must start 16-byte aligned too
   for_each_group<REDUCE_UNROLL>(f, n, aligned16((u64)dst | (u64)src | n * sizeof(S)));
 }

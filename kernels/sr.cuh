@@ -10,17 +10,20 @@ struct bf16_t {  // a bf16 value as its bit pattern
 __device__ constexpr bool rounds_sr(float*) { return false; }  // stored exactly
 __device__ constexpr bool rounds_sr(bf16_t*) { return true; }  // stored with SR
 
-// bf16 bits of v rounded stochastically with the 16-bit noise r: the top half of u + r.
-// NaN stays a (quiet) NaN with its sign; Inf stays Inf; overflow past the largest bf16 gives Inf.
-__device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r) {
+// bf16 bits of v rounded with the 16-bit noise r: the top half of u + r (+ u's bit 16 when rn is 1:
+// with r = 0x7fff that is round to nearest even). NaN stays a (quiet) NaN with its sign; Inf stays
+// Inf; overflow past the largest bf16 gives Inf.
+__device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r, u32 rn) {
   const u32 u = __float_as_uint(v);
-  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : (u + r) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : (u + r + ((u >> 16) & rn)) >> 16;
 }
 
-// v as a T with the 16-bit noise r: exact for fp32, SR for bf16.
-template <typename T> __device__ __forceinline__ T round_as(float v, u32 r);
-template <> __device__ __forceinline__ float round_as<float>(float v, u32) { return v; }
-template <> __device__ __forceinline__ bf16_t round_as<bf16_t>(float v, u32 r) { return bf16_t{(u16)bf16_sr_bits(v, r)}; }
+// v as a T with the 16-bit noise r: exact for fp32, rounded for bf16.
+template <typename T> __device__ __forceinline__ T round_as(float v, u32 r, u32 rn);
+template <> __device__ __forceinline__ float round_as<float>(float v, u32, u32) { return v; }
+template <> __device__ __forceinline__ bf16_t round_as<bf16_t>(float v, u32 r, u32 rn) {
+  return bf16_t{(u16)bf16_sr_bits(v, r, rn)};
+}
 
 // ---- noise -----------------------------------------------------------------------------------
 __device__ __forceinline__ uint2 sr_key(u64 seed) { return make_uint2((u32)seed, (u32)(seed >> 32)); }
@@ -29,25 +32,36 @@ __device__ __forceinline__ uint4 sr_words(uint2 key, u64 g) {
   return philox4x32_10(make_uint4((u32)g, (u32)(g >> 32), 0u, 0u), key);
 }
 
-// The seed state of a gradient manager in device memory, read by the SR kernels when they run (so
-// that a replayed CUDA graph draws fresh noise): DESIGN.md's per-use seed of (layer, lane =
-// 2 * tensor + phase) at the counter's step and micro-step. kernels/seed_counter.cu updates it.
+// How one launch rounds a tensor to bf16: with the Philox noise of `key` plus `shift` in every 16-bit
+// half (SR: shift 0; low-discrepancy SR: micro-step * LD_STEP), or to nearest even (rn = 1).
+struct Rounding {
+  uint2 key;
+  u32 shift, rn;
+};
+__device__ __forceinline__ Rounding seed_rounding(u64 seed) { return Rounding{sr_key(seed), 0u, 0u}; }
+
+// A gradient manager's rounding state in device memory, read by the kernels when they run (so that
+// a replayed CUDA graph draws fresh noise): DESIGN.md's per-use seed of (layer, lane = 2 * tensor +
+// phase) at the counter's step and micro-step; `mode` picks SR, low-discrepancy SR (the seed of
+// micro-step 0, shifted by micro * LD_STEP) or round to nearest. kernels/seed_counter.cu updates it.
+enum : u32 { ROUND_SR = 0, ROUND_LDSR = 1, ROUND_RN = 2, LD_STEP = 40503 };  // 40503 = round(0.618... * 2^16)
 struct SeedCounter {
   u64 base;
-  u32 step, micro;
+  u32 step, micro, mode, pad;
 };
 
-__device__ __forceinline__ u64 counter_seed(const SeedCounter* c, u32 layer, u32 lane) {
-  const uint4 w = philox4x32_10(make_uint4(c->step, c->micro, layer, lane), sr_key(c->base));
-  return (u64)w.x | (u64)w.y << 32;
+__device__ __forceinline__ Rounding counter_rounding(const SeedCounter* c, u32 layer, u32 lane) {
+  const u32 ld = c->mode == ROUND_LDSR;
+  const uint4 w = philox4x32_10(make_uint4(c->step, ld ? 0u : c->micro, layer, lane), sr_key(c->base));
+  return Rounding{make_uint2(w.x, w.y), ld ? (c->micro * LD_STEP) & 0xffffu : 0u, c->mode == ROUND_RN ? 1u : 0u};
 }
 
-// `seed`, or with a counter its per-use seed of (layer, lane): computed once per block (all threads
-// of the block must call this).
-__device__ __forceinline__ u64 block_seed(u64 seed, const SeedCounter* counter, u32 layer, u32 lane) {
-  if (!counter) return seed;
-  __shared__ u64 s;
-  if (threadIdx.x == 0) s = counter_seed(counter, layer, lane);
+// `seed`'s rounding, or with a counter the per-use rounding of (layer, lane): computed once per
+// block (all threads of the block must call this).
+__device__ __forceinline__ Rounding block_rounding(u64 seed, const SeedCounter* counter, u32 layer, u32 lane) {
+  if (!counter) return seed_rounding(seed);
+  __shared__ Rounding s;
+  if (threadIdx.x == 0) s = counter_rounding(counter, layer, lane);
   __syncthreads();
   return s;
 }
@@ -73,10 +87,20 @@ __device__ __forceinline__ uint4 sr_noise8(uint2 key, u64 first) {
                     __funnelshift_r(x3, x4, sh));
 }
 
-// Noise for a group stored as D: none (and no Philox work) for fp32.
-template <typename D> __device__ __forceinline__ uint4 group_noise(uint2 key, u64 first) {
-  if constexpr (rounds_sr((D*)nullptr)) return sr_noise8(key, first);
-  else return make_uint4(0u, 0u, 0u, 0u);
+// (w's low half + s) mod 2^16 | (w's high half + s) mod 2^16 << 16, for s < 2^16.
+__device__ __forceinline__ u32 add_halves(u32 w, u32 s) { return ((w & 0xffff0000u) + (s << 16)) | ((w + s) & 0xffffu); }
+
+// Noise for a group stored as D: none (and no Philox work) for fp32 and round to nearest.
+template <typename D> __device__ __forceinline__ uint4 group_noise(const Rounding& rd, u64 first) {
+  if constexpr (rounds_sr((D*)nullptr)) {
+    if (rd.rn) return make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu);
+    const uint4 r = sr_noise8(rd.key, first);
+    if (!rd.shift) return r;
+    return make_uint4(add_halves(r.x, rd.shift), add_halves(r.y, rd.shift), add_halves(r.z, rd.shift),
+                      add_halves(r.w, rd.shift));
+  } else {
+    return make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 __device__ __forceinline__ u32 noise_half(uint4 r, int k) {
@@ -136,29 +160,30 @@ template <bool VEC, typename T> __device__ __forceinline__ void load8(const T* p
   to_f32x8(load_raw8<VEC>(p, count), v);
 }
 
-__device__ __forceinline__ u32 pack_bf16x2_sr(float lo, float hi, u32 r) {
-  return bf16_sr_bits(lo, r & 0xffffu) | (bf16_sr_bits(hi, r >> 16) << 16);
+__device__ __forceinline__ u32 pack_bf16x2_sr(float lo, float hi, u32 r, u32 rn) {
+  return bf16_sr_bits(lo, r & 0xffffu, rn) | (bf16_sr_bits(hi, r >> 16, rn) << 16);
 }
 
-__device__ __forceinline__ void store8_vec(float* p, const float (&v)[8], uint4) {
+__device__ __forceinline__ void store8_vec(float* p, const float (&v)[8], uint4, u32) {
   reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
-__device__ __forceinline__ void store8_vec(bf16_t* p, const float (&v)[8], uint4 r) {
-  *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2_sr(v[0], v[1], r.x), pack_bf16x2_sr(v[2], v[3], r.y),
-                                            pack_bf16x2_sr(v[4], v[5], r.z), pack_bf16x2_sr(v[6], v[7], r.w));
+__device__ __forceinline__ void store8_vec(bf16_t* p, const float (&v)[8], uint4 r, u32 rn) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2_sr(v[0], v[1], r.x, rn), pack_bf16x2_sr(v[2], v[3], r.y, rn),
+                                            pack_bf16x2_sr(v[4], v[5], r.z, rn), pack_bf16x2_sr(v[6], v[7], r.w, rn));
 }
 
-// Round the group with noise r (see sr_noise8) and store it: VEC as one 16-byte aligned group,
-// else the first `count` elements one by one.
+// Round the group with noise r (group_noise of rd) and rd.rn, and store it: VEC as one 16-byte
+// aligned group, else the first `count` elements one by one.
 template <bool VEC, typename T>
-__device__ __forceinline__ void store8(T* p, u32 count, const float (&v)[8], uint4 r) {
+__device__ __forceinline__ void store8(T* p, u32 count, const float (&v)[8], const Rounding& rd, u64 first) {
+  const uint4 r = group_noise<T>(rd, first);
   if constexpr (VEC) {
-    store8_vec(p, v, r);
+    store8_vec(p, v, r, rd.rn);
   } else {
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      if ((u32)k < count) p[k] = round_as<T>(v[k], noise_half(r, k));
+      if ((u32)k < count) p[k] = round_as<T>(v[k], noise_half(r, k), rd.rn);
   }
 }
 

@@ -45,7 +45,7 @@ from lowgrad.managers import GradientManager, create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec, llama_layout
 from lowgrad.sr import reference
 from lowgrad.sr.philox import philox4x32_10
-from lowgrad.sr.seedcounter import SeedCounter
+from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, ROUNDINGS, SeedCounter
 from lowgrad.sr.seeds import use_seed
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
     "from_numpy", "shard_view", "stream_handle", "device_count", "ops", "reference", "nccl",
     "philox4x32_10", "compile_kernels", "Communicator", "LoopbackCommunicator", "HostCommunicator", "run_threads", "from_env",
     "ParamSpec", "Layout", "llama_layout", "create_gradient_manager", "GradientManager", "Graph",
-    "SeedCounter", "use_seed",
+    "SeedCounter", "ROUNDINGS", "DEFAULT_ROUNDING", "use_seed",
     "LowgradError", "CudaError", "CudaUnavailableError", "NvrtcError", "NcclError", "NcclLibraryError",
     "CommTimeoutError", "CommAbortedError", "ClosedError", "CaptureError", "ProtocolError",
 ]

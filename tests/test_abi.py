@@ -25,7 +25,7 @@ OLD_ARGS = {
     "norm_squared_finish": (u64, u32, u64, i32),
     "norm_squared": (u64, u64, u64),
     "philox_kat": (u64, u64, u64, u64),
-    "seed_counter": (u64, u32, u64, u32),
+    "seed_counter": (u64, u32, u64, u32, u32),  # + the rounding mode
 }
 OLD_SYMBOLS = 8 + 4 + 4 + 1 + 1 + 1 + 4 + 2
 MULTI_LAYOUT = "=" + "Q" * 96 + "I" * 18 + "f4xQI4x"  # struct MultiAddSr as C lays it out: 864 bytes

@@ -180,14 +180,21 @@ def test_micro_step_state_machine_on_its_own() -> None:
 
 
 def test_manager_state_round_trip_and_checks() -> None:
-    s = ManagerState("all_to_all", base_seed=7, step=3, rank=1, world=2)
+    s = ManagerState("all_to_all", base_seed=7, step=3, rank=1, world=2, rounding="ldsr")
     d = s.as_dict()
-    assert d == {"version": 1, "strategy": "all_to_all", "base_seed": 7, "step": 3, "rank": 1, "world": 2}
+    assert d == {"version": 1, "strategy": "all_to_all", "base_seed": 7, "step": 3, "rank": 1, "world": 2,
+                 "rounding": "ldsr"}
     assert ManagerState.parse(d) == s
+    old = {k: v for k, v in d.items() if k != "rounding"}  # saved before rounding modes: SR
+    assert ManagerState.parse(old).rounding == "sr"
+    with pytest.raises(ValueError, match="rounding"):
+        ManagerState.parse({**d, "rounding": "stochastic"})
     assert ManagerState.parse({k: v for k, v in d.items() if k != "version"}) == s
-    s.check_fits("all_to_all", 1, 2)
+    s.check_fits("all_to_all", 1, 2, "ldsr")
     with pytest.raises(ValueError, match="state world 2 does not match this manager's 4"):
-        s.check_fits("all_to_all", 1, 4)
+        s.check_fits("all_to_all", 1, 4, "ldsr")
+    with pytest.raises(ValueError, match="state rounding 'ldsr' does not match this manager's 'sr'"):
+        s.check_fits("all_to_all", 1, 2, "sr")
     with pytest.raises(ValueError, match="unknown"):
         ManagerState.parse({**d, "extra": 1})
     with pytest.raises(TypeError, match="state step must be an int"):

@@ -55,7 +55,7 @@ def test_cuda_memory_report_matches_formula(offload: bool) -> None:
     assert kind_ok
     assert dev["block_grad"] == 2 * block and dev["non_block_grad"] == nb
     assert rep["pinned" if offload else "device"]["block_grad_shards"] == L * block
-    assert dev["grad_norm"] == 4 and dev["seed_counter"] == 16
+    assert dev["grad_norm"] == 4 and dev["seed_counter"] == 24
 
 
 def test_cuda_grad_norm_matches_host() -> None:
@@ -112,3 +112,19 @@ def test_cuda_reads_need_a_completed_step_and_the_last_step_is_refused() -> None
         return counter
 
     assert lg.run_threads(1, job, backend="cuda") == [(2, LAST_STEP, 0)]
+
+
+@pytest.mark.parametrize("rounding", ["sr", "ldsr", "rn"])
+@pytest.mark.parametrize("strategy,offload", [s for s in STRATS if s[0] != "unsharded"])
+def test_cuda_roundings_equal_host_bit_for_bit(strategy: str, offload: bool, rounding: str) -> None:
+    """Each rounding mode through the device kernels (counter-driven SR, low-discrepancy SR, round
+    to nearest), three micro-steps, two steps: the shards equal the host backend's bit for bit."""
+    layout = small_layout(zero_init=True)
+
+    def job(c: Any) -> dict[str, np.ndarray]:
+        gm = lg.create_gradient_manager(layout, c, strategy=strategy, offload=offload, rounding=rounding, seed=5)
+        return drive(c, layout, strategy, offload, 3, steps=2, gm=gm)
+    (dev,) = lg.run_threads(1, job, backend="cuda")
+    (host,) = lg.run_threads(1, job, backend="host")
+    for key in host:
+        assert np.array_equal(dev[key], host[key]), (strategy, offload, rounding, key)

@@ -35,47 +35,37 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lowgrad.sr.philox import sr_noise  # noqa: E402
-from lowgrad.sr.seeds import use_seed  # noqa: E402
+from lowgrad.core.dtypes import bf16  # noqa: E402
+from lowgrad.sr.reference import add_sr  # noqa: E402
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings  # noqa: E402
 
 MODES = ("fp32", "rn", "sr", "ldsr")
 BYTES = {"fp32": 4, "rn": 2, "sr": 2, "ldsr": 2}
-LD_STEP = 40503  # round(0.6180339887 * 2**16): the golden-ratio increment of ldsr's noise
 BF16 = ml_dtypes.bfloat16
 
 
-def round_with_noise(x: np.ndarray, noise: np.ndarray) -> np.ndarray:
-    """float32 ``x`` to bf16 bits: the top half of ``bits(x) + noise`` (NaN kept quiet)."""
-    u = x.view(np.uint32)
-    bits = (u + noise.astype(np.uint32)) >> np.uint32(16)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    bits[nan] = (u[nan] >> np.uint32(16)) | np.uint32(0x0040)
-    return bits.astype(np.uint16).view(BF16)
-
-
 def accumulate(increments: Iterable[np.ndarray], mode: str, seed: int = 1) -> np.ndarray:
-    """The accumulator after adding every increment (float32 arrays of one size) in ``mode``."""
+    """The accumulator after adding every increment (float32 arrays of one size) in ``mode``:
+    the bf16 modes round as a sharded manager with that ``rounding`` rounds layer 0's tensor 0
+    in step 0 (lowgrad's host reference and seed counter, bit for bit)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    counter = np.zeros(1, COUNTER_DTYPE)
     acc: np.ndarray | None = None
-    base: np.ndarray | None = None
     for m, g in enumerate(increments):
         g = np.asarray(g, dtype=np.float32).reshape(-1)
         if acc is None:
             acc = np.zeros(g.size, np.float32 if mode == "fp32" else BF16)
+            apply_op(counter, SET, seed, 0, ROUNDINGS.get(mode, 0))
+        elif mode != "fp32":
+            apply_op(counter, NEXT_MICRO, 0, 0, 0)
         if g.size != acc.size:
             raise ValueError(f"micro-step {m} has {g.size} elements, micro-step 0 had {acc.size}")
-        total = acc.astype(np.float32) + g
         if mode == "fp32":
-            acc = total
-        elif mode == "rn":
-            acc = total.astype(BF16)
-        elif mode == "sr":
-            acc = round_with_noise(total, sr_noise(use_seed(seed, 0, m, 0, 0, 0), 0, g.size))
+            acc = acc + g
         else:
-            if base is None:
-                base = sr_noise(use_seed(seed, 0, 0, 0, 0, 0), 0, g.size).astype(np.uint32)
-            acc = round_with_noise(total, ((base + np.uint32(m * LD_STEP % 65536)) & np.uint32(0xFFFF)))
+            (rd,) = roundings(counter[0], 0, [0])
+            acc = add_sr(acc, g, 1.0, rd.seed, 0, bf16, rd.shift, rd.nearest)
     if acc is None:
         raise ValueError("no micro-steps to accumulate")
     return acc.astype(np.float64)

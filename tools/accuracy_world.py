@@ -92,13 +92,15 @@ def run_manager(layout: lg.Layout, strategy: str, grads: np.ndarray, seed: int =
                 delay: Callable[[int, int, int], None] | None = None) -> np.ndarray:
     """One step of ``grads.shape[0]`` micro-steps through ``create_gradient_manager`` on
     ``grads.shape[1]`` host-backend ranks; the ranks' shards joined into full tensors (flat, in
-    :func:`tensor_slices` order). ``delay(rank, micro_step, layer)``, if given, runs before each
-    ``notify_block`` (to vary the order in which ranks arrive)."""
+    :func:`tensor_slices` order), rounding with SR (what the emulations model). ``delay(rank,
+    micro_step, layer)``, if given, runs before each ``notify_block`` (to vary the order in which
+    ranks arrive)."""
     micro, world = grads.shape[:2]
     slices = tensor_slices(layout)
 
     def rank_fn(comm: Any) -> list[np.ndarray]:
-        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=seed)
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=seed,
+                                        rounding=None if strategy == "unsharded" else "sr")
         s = comm.device.stream()
         for m in range(micro):
             gm.start_micro_step(s, m, micro)

@@ -55,7 +55,7 @@ class Kernels(ABC):
         """:meth:`add_sr` of every ``(dst, a, b, index_offset)`` of ``items`` (one dtype triple,
         ``dst`` of ``a``'s dtype) fixed now: the returned ``f(stream)`` queues all of them. ``seeds``
         is ``(None, 0, one seed per item)`` or ``(counter, layer, one lane per item)``, whose
-        per-use seeds are read when the work runs. Results equal separate :meth:`add_sr` calls;
+        per-use roundings are read when the work runs. Results equal separate :meth:`add_sr` calls;
         ``f`` raises ClosedError as :meth:`bind_add_sr`'s does."""
 
     @abstractmethod
@@ -65,10 +65,10 @@ class Kernels(ABC):
         [lane])``: the returned ``f(stream)`` queues it (ClosedError as :meth:`bind_add_sr`)."""
 
     @abstractmethod
-    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
-        """Update the 16-byte seed counter ``counter`` (``COUNTER_DTYPE`` of
-        :mod:`lowgrad.sr.seedcounter`) on ``stream``: op ``SET`` to ``(base, step, micro 0)``,
-        ``NEXT_MICRO`` or ``NEXT_STEP``."""
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
+        """Update the 24-byte seed counter ``counter`` (``COUNTER_DTYPE`` of
+        :mod:`lowgrad.sr.seedcounter`) on ``stream``: op ``SET`` to ``(base, step, micro 0,
+        mode)``, ``NEXT_MICRO`` or ``NEXT_STEP``."""
 
     @abstractmethod
     def fill_zero(self, dst: Tensor, stream: int) -> None:

@@ -252,8 +252,8 @@ class CudaKernels(Kernels):
                 k.launch_packed(grid, stream)
         return run
 
-    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
-        self.kernel(self._seed_counter).launch(1, stream, counter.ptr, op, base, step)
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
+        self.kernel(self._seed_counter).launch(1, stream, counter.ptr, op, base, step, mode)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if dst.nbytes:  # a thread stores 16 bytes: GROUP_ELEMS 2-byte elements

@@ -9,13 +9,13 @@ from lowgrad.core import trace
 from lowgrad.core.kernels import Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
-from lowgrad.sr.seedcounter import COUNTER_DTYPE, apply_op
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, Rounding, apply_op
 
 
-def _seeds(source: SeedSource) -> list[int]:
-    """The fixed seeds, or those a counter's ``(layer, lanes)`` give right now."""
+def _roundings(source: SeedSource) -> list[Rounding]:
+    """The fixed seeds' roundings, or those a counter's ``(layer, lanes)`` give right now."""
     counter, layer, values = source
-    return values if counter is None else counter.host_seeds(layer, values)
+    return [Rounding(s) for s in values] if counter is None else counter.host_roundings(layer, values)
 
 
 def _trace(name: str, t: Tensor, stream: int) -> None:
@@ -30,17 +30,27 @@ class HostKernels(Kernels):
 
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
+        self._add_sr(dst, a, b, scale, Rounding(seed), index_offset, stream)
+
+    def _add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, rd: Rounding, index_offset: int,
+                stream: int) -> None:
         if trace.ENABLED:
             _trace("add_sr", dst, stream)
-        out = reference.add_sr(a.numpy().reshape(-1), b.numpy().reshape(-1), scale, seed, index_offset, dst.dtype)
+        out = reference.add_sr(a.numpy().reshape(-1), b.numpy().reshape(-1), scale, rd.seed, index_offset, dst.dtype,
+                               rd.shift, rd.nearest)
         dst.numpy().reshape(-1)[:] = out
 
     def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                   seed: int, index_offset: int, stream: int) -> None:
+        self._reduce_sr(dst, src, n_shards, skip, scale, accumulate, Rounding(seed), index_offset, stream)
+
+    def _reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
+                   rd: Rounding, index_offset: int, stream: int) -> None:
         if trace.ENABLED:
             _trace("reduce_sr", dst, stream)
         d = dst.numpy().reshape(-1)
-        d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, seed, index_offset)
+        d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, rd.seed,
+                                   index_offset, rd.shift, rd.nearest)
 
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
@@ -49,19 +59,19 @@ class HostKernels(Kernels):
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource
                           ) -> Callable[[int], None]:
         def run(stream: int) -> None:
-            for (dst, a, b, off), seed in zip(items, _seeds(seeds)):
-                self.add_sr(dst, a, b, scale, seed, off, stream)
+            for (dst, a, b, off), rd in zip(items, _roundings(seeds)):
+                self._add_sr(dst, a, b, scale, rd, off, stream)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int, seed: SeedSource) -> Callable[[int], None]:
-        return lambda stream: self.reduce_sr(dst, src, n_shards, skip, scale, accumulate, _seeds(seed)[0],
-                                             index_offset, stream)
+        return lambda stream: self._reduce_sr(dst, src, n_shards, skip, scale, accumulate, _roundings(seed)[0],
+                                              index_offset, stream)
 
-    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, stream: int) -> None:
+    def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         if trace.ENABLED:
             _trace("seed_counter", counter, stream)
-        apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step)
+        apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step, mode)
 
     def fill_zero(self, dst: Tensor, stream: int) -> None:
         if trace.ENABLED:

@@ -18,19 +18,23 @@ STRATEGIES: dict[str, type[GradientManager]] = {
 
 
 def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
-                            dtype: DType | str = bf16, seed: int = 0, step: int = 0) -> GradientManager:
+                            dtype: DType | str = bf16, seed: int = 0, step: int = 0,
+                            rounding: str | None = None) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
     ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
     ``offload``: block shards in pinned host memory (sharded strategies only); ``dtype``: bf16 or
     fp32 gradients; ``seed``: the base seed of the SR noise; ``step``: the optimizer step to run
-    first.
+    first; ``rounding`` (sharded strategies, bf16 shards): how each add into a shard rounds,
+    "ldsr" (low-discrepancy SR, the default), "sr" (stochastic rounding, fresh noise each
+    micro-step) or "rn" (round to nearest even). The unsharded strategy rounds nothing itself (the
+    engine adds into the full gradients) and takes no ``rounding``.
     """
     try:
         cls = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}") from None
-    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload)
+    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding)
 
 
 __all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "UnshardedManager", "ShardedManager",

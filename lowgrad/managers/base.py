@@ -48,7 +48,7 @@ from lowgrad.managers.protocol import (
 )
 from lowgrad.managers.replay import Recording
 from lowgrad.managers.state import ManagerState
-from lowgrad.sr.seedcounter import SeedCounter
+from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
 
@@ -59,8 +59,11 @@ class GradientManager(NonBlockGradients, ABC):
 
     strategy = ""
 
+    #: the rounding of a manager created without one (None: the manager rounds nothing itself)
+    default_rounding: str | None = DEFAULT_ROUNDING
+
     def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                 offload: bool = False) -> None:
+                 offload: bool = False, rounding: str | None = None) -> None:
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
         self.dtype = as_dtype(dtype)
@@ -74,6 +77,10 @@ class GradientManager(NonBlockGradients, ABC):
         step = check_step("step", step)
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
+        if rounding is not None and self.default_rounding is None:
+            raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine adds "
+                             "into the full gradients); choose a sharded strategy to pick a rounding")
+        self.rounding = self.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
@@ -87,7 +94,7 @@ class GradientManager(NonBlockGradients, ABC):
         self._closed = False
         self._protocol = MicroStepState(layout.num_layers)
         self._recording: Recording | None = None  # a graph capture in progress
-        self._counter = SeedCounter(self.device, seed, step, self.comm_stream)
+        self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         self._alloc_non_block()
         self._alloc_blocks()
@@ -253,7 +260,7 @@ class GradientManager(NonBlockGradients, ABC):
     def state_dict(self) -> dict[str, Any]:
         """What a restart needs for bit-identical gradients: base seed and step (between steps)."""
         self._check_between_steps("state_dict")
-        return ManagerState(self.strategy, self.base_seed, self.step, self.rank, self.world).as_dict()
+        return ManagerState(self.strategy, self.base_seed, self.step, self.rank, self.world, self.rounding).as_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same strategy, rank and world (between steps).
@@ -262,7 +269,7 @@ class GradientManager(NonBlockGradients, ABC):
         value out of range or a mismatch. The shards are unreadable until the next step ends."""
         self._check_between_steps("load_state_dict")
         saved = ManagerState.parse(state)
-        saved.check_fits(self.strategy, self.rank, self.world)
+        saved.check_fits(self.strategy, self.rank, self.world, self.rounding)
         capture.forbid("load_state_dict")
         self.base_seed, self.step, self._protocol.complete = saved.base_seed, saved.step, False
         self._counter.set(self.base_seed, self.step, self.comm_stream)

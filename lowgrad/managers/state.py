@@ -9,25 +9,32 @@ import numpy as np
 
 from lowgrad import ops
 from lowgrad.managers.protocol import check_step, integer
+from lowgrad.sr.seedcounter import check_rounding
 
 #: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
 STATE_VERSION = 1
-_KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world"})
+_KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world", "rounding"})
+_OPTIONAL = frozenset({"version", "rounding"})  # a state saved before rounding modes existed rounded with SR
 
 
 @dataclass(frozen=True)
 class ManagerState:
-    """Base seed and step of a manager of ``strategy`` at ``rank`` of ``world`` (between steps)."""
+    """Base seed and step of a manager of ``strategy`` at ``rank`` of ``world`` that rounds with
+    ``rounding`` (None: the manager rounds nothing itself), between steps."""
 
     strategy: str
     base_seed: int
     step: int
     rank: int
     world: int
+    rounding: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plain dict :meth:`GradientManager.state_dict` returns (with ``version``)."""
-        return {"version": STATE_VERSION, **asdict(self)}
+        d = {"version": STATE_VERSION, **asdict(self)}
+        if d["rounding"] is None:  # the unsharded manager's: nothing to restore
+            del d["rounding"]
+        return d
 
     @classmethod
     def parse(cls, state: Any) -> ManagerState:
@@ -37,7 +44,7 @@ class ManagerState:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(state).__name__}")
         keys = set(state)
-        missing, unknown = _KEYS - {"version"} - keys, keys - _KEYS
+        missing, unknown = _KEYS - _OPTIONAL - keys, keys - _KEYS
         if missing or unknown:
             raise ValueError(f"state keys: missing {sorted(missing)}, unknown {sorted(map(repr, unknown))}")
         version = state.get("version", STATE_VERSION)
@@ -50,11 +57,15 @@ class ManagerState:
         base_seed = integer("state base_seed", state["base_seed"])
         ops.check_seed(base_seed)
         step = check_step("state step", state["step"])
-        return cls(state["strategy"], base_seed, step, rank, world)
+        rounding = state.get("rounding", "sr" if state["strategy"] != "unsharded" else None)
+        if rounding is not None:
+            check_rounding(rounding)
+        return cls(state["strategy"], base_seed, step, rank, world, rounding)
 
-    def check_fits(self, strategy: str, rank: int, world: int) -> None:
-        """ValueError unless the state was saved by a manager of this strategy, rank and world."""
+    def check_fits(self, strategy: str, rank: int, world: int, rounding: str | None) -> None:
+        """ValueError unless the state was saved by a manager of this strategy, rank, world and
+        rounding."""
         for key, value, mine in (("strategy", self.strategy, strategy), ("world", self.world, world),
-                                 ("rank", self.rank, rank)):
+                                 ("rank", self.rank, rank), ("rounding", self.rounding, rounding)):
             if value != mine:
                 raise ValueError(f"state {key} {value!r} does not match this manager's {mine!r}")

@@ -10,6 +10,7 @@ from lowgrad.managers.base import GradientManager
 
 class UnshardedManager(GradientManager):
     strategy = "unsharded"
+    default_rounding = None
 
     def _alloc_blocks(self) -> None:
         if self.offload:

@@ -32,41 +32,52 @@ def _array(x: Any, what: str) -> np.ndarray:
 
 
 # ---- the reference ---------------------------------------------------------------------------------
-def round_sr(x_f32: np.ndarray, seed: int, index_offset: int, out_dtype: Any) -> np.ndarray:
+def round_sr(x_f32: np.ndarray, seed: int, index_offset: int, out_dtype: Any, shift: int = 0,
+             nearest: bool = False) -> np.ndarray:
     """Round float32 ``x_f32`` to ``out_dtype``: an exact copy for fp32; for bf16 the top half of
-    ``u + r`` (``u`` the float32 bits, ``r`` the noise of element ``index_offset + i``), NaN as a
-    quiet NaN with its sign. Returns a new array of ``x_f32``'s shape."""
+    ``u + r`` (``u`` the float32 bits, ``r`` the noise of element ``index_offset + i`` plus
+    ``shift``, mod 2**16: ``shift`` is low-discrepancy SR's, see :mod:`lowgrad.sr.seedcounter`),
+    or with ``nearest`` round to nearest even (no noise); NaN as a quiet NaN with its sign.
+    Returns a new array of ``x_f32``'s shape."""
     x = np.asarray(x_f32)
     if x.dtype != np.float32:
         raise TypeError(f"round_sr takes float32, got {x.dtype}")
     out = check_sr_dtype(out_dtype, "out_dtype")
     seed, index_offset = check_seed(seed), check_index_offset(index_offset, x.size)
+    if not isinstance(shift, int) or isinstance(shift, bool) or not 0 <= shift < 1 << 16:
+        raise ValueError(f"shift must be an int in [0, 2**16), got {shift!r}")
     if out is fp32:
         return x.copy()
     u = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
-    bits = (u + sr_noise(seed, index_offset, u.size).astype(np.uint32)) >> np.uint32(16)
+    if nearest:
+        r = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    else:
+        r = (sr_noise(seed, index_offset, u.size).astype(np.uint32) + np.uint32(shift)) & np.uint32(0xFFFF)
+    bits = (u + r) >> np.uint32(16)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     bits[nan] = (u[nan] >> np.uint32(16)) | np.uint32(0x0040)
     return bits.astype(np.uint16).view(bf16.np).reshape(x.shape)
 
 
 def add_sr(a: np.ndarray, b: np.ndarray, scale: float, seed: int, index_offset: int = 0,
-           out_dtype: Any = bf16) -> np.ndarray:
+           out_dtype: Any = bf16, shift: int = 0, nearest: bool = False) -> np.ndarray:
     """``SR((float32(a) + float32(b)) * float32(scale))`` elementwise as ``out_dtype`` (fp32 or
-    bf16), element ``i`` with the noise of index ``index_offset + i``; shape of ``a``."""
+    bf16), element ``i`` with the noise of index ``index_offset + i``; shape of ``a``;
+    ``shift`` and ``nearest`` as in :func:`round_sr`."""
     a, b = _array(a, "a"), _array(b, "b")
     scale, seed, index_offset = check_add_sr_args(a.size, a.size, b.size, out_dtype, a.dtype, b.dtype, scale,
                                                   seed, index_offset)
     with np.errstate(over="ignore", invalid="ignore"):  # IEEE results (Inf, NaN), as on the device
         v = (a.astype(np.float32).reshape(-1) + b.astype(np.float32).reshape(-1)) * np.float32(scale)
-    return round_sr(v, seed, index_offset, out_dtype).reshape(a.shape)
+    return round_sr(v, seed, index_offset, out_dtype, shift, nearest).reshape(a.shape)
 
 
 def reduce_sr(dst: np.ndarray, src: np.ndarray, n_shards: int, skip: int, scale: float, accumulate: bool,
-              seed: int, index_offset: int = 0) -> np.ndarray:
+              seed: int, index_offset: int = 0, shift: int = 0, nearest: bool = False) -> np.ndarray:
     """``SR(((dst if accumulate else +0) + sum_{k != skip} src[k]) * scale)`` as ``dst``'s dtype
     and shape, summed in float32 in shard order; ``src`` holds ``n_shards`` consecutive blocks of
-    ``dst.size`` elements. ``dst`` is not modified."""
+    ``dst.size`` elements; ``shift`` and ``nearest`` as in :func:`round_sr`. ``dst`` is not
+    modified."""
     dst, src = _array(dst, "dst"), _array(src, "src")
     n_shards, skip, scale, accumulate, seed, index_offset = check_reduce_sr_args(
         dst.size, src.size, dst.dtype, src.dtype, n_shards, skip, scale, accumulate, seed, index_offset)
@@ -77,7 +88,7 @@ def reduce_sr(dst: np.ndarray, src: np.ndarray, n_shards: int, skip: int, scale:
             if k != skip:
                 acc += blocks[k].astype(np.float32)
         acc *= np.float32(scale)
-    return round_sr(acc, seed, index_offset, dst.dtype).reshape(dst.shape)
+    return round_sr(acc, seed, index_offset, dst.dtype, shift, nearest).reshape(dst.shape)
 
 
 def norm_squared(x: np.ndarray, accum: str = "float32") -> np.floating:

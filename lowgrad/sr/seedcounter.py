@@ -1,14 +1,23 @@
-"""A gradient manager's seed state in the memory of its device: base seed, step and micro-step.
+"""A gradient manager's rounding state in the memory of its device: base seed, step, micro-step
+and rounding mode.
 
-The SR kernels a manager binds read it when they run and derive DESIGN.md's per-use seed of
-``(step, micro_step, layer, lane = 2 * tensor + phase)`` from it (``kernels/sr.cuh``), instead of
-taking a seed from the host at launch. A captured CUDA graph therefore draws fresh noise on every
+The kernels a manager binds read it when they run and derive the per-use rounding of ``(step,
+micro_step, layer, lane = 2 * tensor + phase)`` from it (``kernels/sr.cuh``), instead of taking a
+seed from the host at launch:
+
+- ``"sr"``: the Philox noise of the per-use seed of ``(step, micro_step, layer, lane)``;
+- ``"ldsr"`` (low-discrepancy SR): the noise of the per-use seed of micro-step 0 plus
+  ``micro_step * 40503``, mod 2**16, in every element (:func:`ld_shift`): each rounding is still
+  unbiased, and the rounding errors of one element in successive micro-steps anti-correlate;
+- ``"rn"``: round to nearest even, no noise.
+
+ A captured CUDA graph therefore draws fresh noise on every
 replay; the counter advances by kernels queued on the manager's stream (``kernels/seed_counter.cu``),
 in the same order in eager runs and in replays. The host backend keeps it in numpy memory.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,18 +27,45 @@ from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.sr.seeds import use_seeds
 
 #: the layout of ``struct SeedCounter`` (kernels/sr.cuh)
-COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4")])
+COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4"), ("mode", "<u4"), ("pad", "<u4")])
+#: the rounding modes and their ``mode`` values (``ROUND_*`` in kernels/sr.cuh)
+ROUNDINGS = {"sr": 0, "ldsr": 1, "rn": 2}
+#: the sharded managers' rounding unless told otherwise (measured best at bf16 memory: docs/accuracy.md)
+DEFAULT_ROUNDING = "ldsr"
+LD_STEP = 40503  # round(0.6180339887 * 2**16): the golden-ratio increment of low-discrepancy SR
 SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
 #: the largest step the counter holds; ``next_step`` from it would wrap to 0 (repeating step 0's
 #: noise), so a manager never starts step ``LAST_STEP`` (the step after it would not fit)
 LAST_STEP = U32 - 1
 
 
-class SeedCounter:
-    """16 bytes named ``seed_counter`` on ``device``, updated asynchronously on a stream."""
+class Rounding(NamedTuple):
+    """How one kernel rounds: the Philox noise of ``seed`` plus ``shift`` (mod 2**16), or to
+    nearest even (``nearest``); ``struct Rounding`` of kernels/sr.cuh."""
+    seed: int
+    shift: int = 0
+    nearest: bool = False
 
-    def __init__(self, device: Any, base_seed: int, step: int, stream: StreamLike = None) -> None:
+
+def ld_shift(micro_step: int) -> int:
+    """The noise shift of low-discrepancy SR at ``micro_step``: ``micro_step * 40503 mod 2**16``."""
+    return micro_step * LD_STEP & 0xFFFF
+
+
+def check_rounding(rounding: Any) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+    return str(rounding)
+
+
+class SeedCounter:
+    """24 bytes named ``seed_counter`` on ``device``, updated asynchronously on a stream;
+    ``rounding`` one of :data:`ROUNDINGS`."""
+
+    def __init__(self, device: Any, base_seed: int, step: int, stream: StreamLike = None,
+                 rounding: str = "sr") -> None:
         self.device = device
+        self.mode = ROUNDINGS[check_rounding(rounding)]
         self.tensor = device.alloc(COUNTER_DTYPE.itemsize, byte, name="seed_counter")
         self._update = device.kernels.seed_counter
         self.set(base_seed, step, stream)
@@ -38,31 +74,40 @@ class SeedCounter:
         """Base seed ``base_seed``, step ``step``, micro-step 0 (queued on ``stream``)."""
         if not 0 <= base_seed < U64 or not 0 <= step < U32:
             raise ValueError(f"seed counter: base seed {base_seed} must be in [0, 2**64), step {step} in [0, 2**32)")
-        self._update(self.tensor, SET, base_seed, step, stream_handle(stream))
+        self._update(self.tensor, SET, base_seed, step, self.mode, stream_handle(stream))
 
     def next_micro(self, stream: int) -> None:
         """Micro-step += 1 (queued on the raw stream ``stream``)."""
-        self._update(self.tensor, NEXT_MICRO, 0, 0, stream)
+        self._update(self.tensor, NEXT_MICRO, 0, 0, 0, stream)
 
     def next_step(self, stream: int) -> None:
         """Step += 1, micro-step 0 (queued on the raw stream ``stream``)."""
-        self._update(self.tensor, NEXT_STEP, 0, 0, stream)
+        self._update(self.tensor, NEXT_STEP, 0, 0, 0, stream)
 
-    def host_seeds(self, layer: int, lanes: list[int]) -> list[int]:
-        """The seeds of ``(layer, lane)`` at the counter's present value (host backend: the
+    def host_roundings(self, layer: int, lanes: list[int]) -> list[Rounding]:
+        """The roundings of ``(layer, lane)`` at the counter's present value (host backend: the
         counter lives in host memory and the host kernels run when queued)."""
-        c = self.tensor.numpy().view(COUNTER_DTYPE)[0]
-        return [int(x) for x in use_seeds(int(c["base"]), int(c["step"]), int(c["micro"]), layer,
-                                          np.asarray(lanes) // 2, np.asarray(lanes) % 2)]
+        return roundings(self.tensor.numpy().view(COUNTER_DTYPE)[0], layer, lanes)
 
     def close(self) -> None:
         self.tensor.close()
 
 
-def apply_op(counter: np.ndarray, op: int, base: int, step: int) -> None:
+def roundings(c: Any, layer: int, lanes: list[int]) -> list[Rounding]:
+    """The roundings of ``(layer, lane)`` a ``COUNTER_DTYPE`` record ``c`` gives (what
+    ``counter_rounding`` in kernels/sr.cuh computes)."""
+    mode, micro = int(c["mode"]), int(c["micro"])
+    ld = mode == ROUNDINGS["ldsr"]
+    seeds = use_seeds(int(c["base"]), int(c["step"]), 0 if ld else micro, layer,
+                      np.asarray(lanes) // 2, np.asarray(lanes) % 2)
+    shift, nearest = ld_shift(micro) if ld else 0, mode == ROUNDINGS["rn"]
+    return [Rounding(int(x), shift, nearest) for x in seeds]
+
+
+def apply_op(counter: np.ndarray, op: int, base: int, step: int, mode: int) -> None:
     """What ``seed_counter`` does, on a host ``COUNTER_DTYPE`` record (the host backend)."""
     if op == SET:
-        counter["base"], counter["step"], counter["micro"] = base, step, 0
+        counter["base"], counter["step"], counter["micro"], counter["mode"], counter["pad"] = base, step, 0, mode, 0
     elif op == NEXT_MICRO:
         counter["micro"] += 1
     else:
