@@ -86,7 +86,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     kw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
     attached = opt = masters = None
     if args.mode == "lowgrad":
-        attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed)
+        rounding = None if args.strategy == "unsharded" else args.rounding
+        attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding)
         opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
     elif args.mode == "torch_bf16":
         masters = [p.detach().float().clone().requires_grad_() for p in params]
@@ -139,8 +140,10 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(profiled, indent=1), flush=True)
         if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
-    label = f"{args.mode}{'/' + args.strategy if attached is not None else ''} seed {args.seed}"
+    how = f"/{args.strategy}" + (f"/{attached.gm.rounding}" if attached.gm.rounding else "") if attached else ""
+    label = f"{args.mode}{how} seed {args.seed}"
     out = {"label": label, "mode": args.mode, "strategy": args.strategy if attached is not None else None,
+           "rounding": attached.gm.rounding if attached is not None else None,
            "size": args.size,
            "params": sum(p.numel() for p in params), "seed": args.seed, "micro_steps": M, "batch": args.batch,
            "seq": args.seq, "loss": losses,
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
     p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
+    p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
+                   help="the sharded strategies' rounding into the bf16 shards")
     p.add_argument("--size", choices=tuple(SIZES), default="0.5b")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--micro-steps", type=int, default=4)
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.zeros(1, device="cuda").add_(1)
     result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
-    print(f"{args.mode}{'/' + args.strategy if args.mode == 'lowgrad' else ''}: final loss {result['loss'][-1]:.4f}, "
+    print(f"{result['label']}: final loss {result['loss'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
