@@ -51,6 +51,15 @@ def test_both_communicators_implement_the_whole_comm_contract(cls: type) -> None
     assert cls.group is CommBase.group and cls.all_to_all is CommBase.all_to_all  # written once
 
 
+def test_communicators_say_whether_they_meet_their_peers_on_the_host() -> None:
+    """The PyTorch adapter decides from this capability (never from a class name) whether a rank
+    may issue collectives from autograd's shared thread."""
+    from lowgrad.cuda.loopback import LoopbackCommunicator
+    assert Communicator.meets_peers_on_host is False  # NCCL queues and returns
+    assert HostCommunicator.meets_peers_on_host is True and LoopbackCommunicator.meets_peers_on_host is True
+    assert lg.run_threads(2, lambda c: c.meets_peers_on_host) == [True, True]
+
+
 def test_streams_and_events_of_both_backends_satisfy_one_protocol() -> None:
     h = lg.HostDevice()
     for s in (h.stream(), h.default_stream, h.resolve_stream(1234)):

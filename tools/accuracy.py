@@ -8,7 +8,9 @@ Modes (bytes per element of the accumulator):
   noise of element i at micro-step m is the Philox noise of the per-use seed of (step 0, m));
 - ``ldsr``  (2): bf16, low-discrepancy SR: the noise of micro-step m is ``(u_i + m * 40503) mod
   2**16``, ``u_i`` the noise of micro-step 0 — each rounding still unbiased, successive rounding
-  errors of one element anti-correlated.
+  errors of one element anti-correlated;
+- ``kahan`` (4): a bf16 sum plus a bf16 compensation term (Kahan), both rounded to nearest: the
+  compensated scheme at bf16 precision, for the record — it takes as much memory as ``fp32``.
 
 Every add is ``round(float32(acc) + float32(g))``, as lowgrad's SR kernels do it. Synthetic
 gradients: per element a mean ``mu ~ N(0, 1)``, micro-step m adds ``mu + sigma * N(0, 1)``.
@@ -39,8 +41,8 @@ from lowgrad.core.dtypes import bf16  # noqa: E402
 from lowgrad.sr.reference import add_sr  # noqa: E402
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings  # noqa: E402
 
-MODES = ("fp32", "rn", "sr", "ldsr")
-BYTES = {"fp32": 4, "rn": 2, "sr": 2, "ldsr": 2}
+MODES = ("fp32", "rn", "sr", "ldsr", "kahan")
+BYTES = {"fp32": 4, "rn": 2, "sr": 2, "ldsr": 2, "kahan": 4}
 BF16 = ml_dtypes.bfloat16
 
 
@@ -50,6 +52,8 @@ def accumulate(increments: Iterable[np.ndarray], mode: str, seed: int = 1) -> np
     in step 0 (lowgrad's host reference and seed counter, bit for bit)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "kahan":
+        return kahan(increments)
     counter = np.zeros(1, COUNTER_DTYPE)
     acc: np.ndarray | None = None
     for m, g in enumerate(increments):
@@ -69,6 +73,24 @@ def accumulate(increments: Iterable[np.ndarray], mode: str, seed: int = 1) -> np
     if acc is None:
         raise ValueError("no micro-steps to accumulate")
     return acc.astype(np.float64)
+
+
+def kahan(increments: Iterable[np.ndarray]) -> np.ndarray:
+    """Kahan summation with a bf16 sum ``s`` and a bf16 compensation ``c`` (float32 arithmetic,
+    each stored value rounded to nearest); the result ``s - c``."""
+    s: np.ndarray | None = None
+    c: np.ndarray | None = None
+    for g in increments:
+        g = np.asarray(g, dtype=np.float32).reshape(-1)
+        if s is None or c is None:
+            s, c = np.zeros(g.size, BF16), np.zeros(g.size, BF16)
+        y = g - c.astype(np.float32)
+        t = (s.astype(np.float32) + y).astype(BF16)
+        c = ((t.astype(np.float32) - s.astype(np.float32)) - y).astype(BF16)
+        s = t
+    if s is None or c is None:
+        raise ValueError("no micro-steps to accumulate")
+    return s.astype(np.float64) - c.astype(np.float64)
 
 
 def errors(increments: list[np.ndarray], seed: int = 1) -> dict[str, dict[str, float]]:
