@@ -41,7 +41,7 @@ struct Rounding {
 __device__ __forceinline__ Rounding seed_rounding(u64 seed) { return Rounding{sr_key(seed), 0u, 0u}; }
 
 // A gradient manager's rounding state in device memory, read by the kernels when they run (so that
-// a replayed CUDA graph draws fresh noise): DESIGN.md's per-use seed of (layer, lane = 2 * tensor +
+// a replayed CUDA graph draws fresh noise): docs/design.md's per-use seed of (layer, lane = 2 * tensor +
 // phase) at the counter's step and micro-step; `mode` picks SR, low-discrepancy SR (the seed of
 // micro-step 0, shifted by micro * LD_STEP) or round to nearest. kernels/seed_counter.cu updates it.
 enum : u32 { ROUND_SR = 0, ROUND_LDSR = 1, ROUND_RN = 2, LD_STEP = 40503 };  // 40503 = round(0.618... * 2^16)

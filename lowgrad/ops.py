@@ -1,4 +1,4 @@
-"""The kernels of DESIGN.md on lowgrad tensors of either backend, all asynchronous on
+"""The kernels of docs/design.md on lowgrad tensors of either backend, all asynchronous on
 ``stream`` (None: the device's default stream).
 
 Every argument is checked here, once for both backends, before anything is queued; the backend

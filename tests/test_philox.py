@@ -66,7 +66,7 @@ def test_bad_arguments(ctr, key, exc) -> None:
 
 
 def direct_noise(seed: int, i: int) -> int:
-    """r_i straight from DESIGN.md, one element at a time."""
+    """r_i straight from the definition (docs/design.md), one element at a time."""
     g, j = i // 8, i % 8
     w = scalar_philox((g & M, g >> 32, 0, 0), (seed & M, seed >> 32))
     return (w[j // 2] >> (16 * (j % 2))) & 0xFFFF

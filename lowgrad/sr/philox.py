@@ -1,6 +1,6 @@
 """Philox4x32-10 (Random123) in numpy, and the stochastic-rounding noise defined on it.
 
-DESIGN.md, "Stochastic rounding": element ``i`` of a tensor rounds with the 16-bit noise ``r_j``
+docs/design.md, "Stochastic rounding": element ``i`` of a tensor rounds with the 16-bit noise ``r_j``
 (``g = i // 8``, ``j = i % 8``) of ``w = Philox4x32-10(counter=(g & 0xffffffff, g >> 32, 0, 0),
 key=(seed_lo, seed_hi))``: the low half of ``w[j // 2]`` for even ``j``, the high half for odd ``j``.
 """

@@ -1,4 +1,4 @@
-"""The executable definition of lowgrad's kernels in numpy (DESIGN.md, "Stochastic rounding" and
+"""The executable definition of lowgrad's kernels in numpy (docs/design.md, "Stochastic rounding" and
 "Kernels"); the device kernels match it bit for bit.
 
 Float32 operation order, which the kernels follow exactly: ``add_sr`` computes
