@@ -99,7 +99,9 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof, profiled = None, None
+    host_s: list[float] = []  # lowgrad's host time per step (hooks and micro-step bookkeeping)
     for step in range(args.steps):
+        host0 = attached.host_seconds if attached is not None else 0.0
         if args.profile and step == PROFILE_FROM:
             torch.cuda.synchronize(device) if cuda else None
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
@@ -134,6 +136,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
         losses.append(float(total))  # one host sync per step, in every mode
         times.append(time.perf_counter() - t0)
+        if attached is not None:
+            host_s.append(attached.host_seconds - host0)
         if prof is not None and step == PROFILE_FROM + PROFILE_STEPS - 1:
             prof.stop()
             profiled, prof = gpu_overlap(prof, PROFILE_STEPS), None
@@ -149,6 +153,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
            "seq": args.seq, "loss": losses,
            "step_ms_median": 1e3 * statistics.median(times[min(2, len(times) - 1):]),
            "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
+           "lowgrad_host_ms_median": 1e3 * statistics.median(host_s[min(2, len(host_s) - 1):]) if host_s else None,
            "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
            "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled}
     if attached is not None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from time import perf_counter_ns
 from contextlib import contextmanager
 from typing import Any
 
@@ -115,6 +116,7 @@ class Attached:
         self._meets = bool(getattr(comm, "meets_peers_on_host", False))
         self._thread = 0  # the thread that entered the micro-step
         self._defer: bool | None = None  # this micro-step delivers at the end (decided at its first gradient)
+        self._host_ns = 0
         self.layout, self._blocks, self._non_block = module_layout(model, blocks)
         self.gm = create_gradient_manager(self.layout, comm, **manager_args)
         self.device = comm.device
@@ -142,6 +144,7 @@ class Attached:
         manager's micro-step ends on PyTorch's current stream)."""
         if self._active:
             raise ProtocolError("attached.micro_step: micro-steps do not nest")
+        t0 = perf_counter_ns()
         if self._params() != self._snapshot:
             raise ValueError("attached.micro_step: the model's parameters changed after attach (added, removed, "
                              "replaced, reshaped or retyped): attach again")
@@ -149,8 +152,10 @@ class Attached:
         self.gm.start_micro_step(self._stream, micro_step, total_micro_steps)
         self._active, self._fetched, self._next = True, None, self.layout.num_layers - 1
         self._thread, self._defer = threading.get_ident(), None
+        self._host_ns += perf_counter_ns() - t0
         try:
             yield self
+            t0 = perf_counter_ns()
             if self._defer:
                 self._deliver_deferred()
             if self._fetched is not None:
@@ -160,6 +165,7 @@ class Attached:
                 raise ProtocolError(f"attached.micro_step: blocks {self._next}..0 produced no gradient in micro-step "
                                     f"{micro_step} (every block's parameters must take part in each backward)")
             self.gm.end_micro_step(self._stream)
+            self._host_ns += perf_counter_ns() - t0
         finally:
             self._active = False
 
@@ -187,8 +193,10 @@ class Attached:
 
     def _block_hook(self, layer: int, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
+            t0 = perf_counter_ns()
             if not self._deferring(name):
                 self._block_arrived(layer, name, p)
+            self._host_ns += perf_counter_ns() - t0
         return hook
 
     def _block_arrived(self, layer: int, name: str, p: torch.Tensor) -> None:
@@ -214,8 +222,10 @@ class Attached:
 
     def _non_block_hook(self, name: str) -> Any:
         def hook(p: torch.Tensor) -> None:
+            t0 = perf_counter_ns()
             if not self._deferring(name):
                 self._non_block_arrived(name, p)
+            self._host_ns += perf_counter_ns() - t0
         return hook
 
     def _non_block_arrived(self, name: str, p: torch.Tensor) -> None:
@@ -241,6 +251,12 @@ class Attached:
         if not self._active:
             raise ProtocolError(f"lowgrad.torch: a gradient of {name} outside `with attached.micro_step(m, M)`: the "
                                 "attached model's backward runs inside a micro-step")
+
+    @property
+    def host_seconds(self) -> float:
+        """Host time spent so far in this adapter's hooks and micro-step bookkeeping (including the
+        manager calls they make), in seconds: what lowgrad adds to the threads that run backward."""
+        return self._host_ns * 1e-9
 
     # ---- reading the step's result -----------------------------------------------------
     def block_shards(self, layer: int) -> dict[str, torch.Tensor]:
