@@ -1,39 +1,57 @@
 #!/usr/bin/env bash
-# Issue-14 GPU session in one call: the Qwen2.5-0.5B-shaped model trained on the stdlib's source
-# with PyTorch fp32 gradients, PyTorch bf16 gradients and lowgrad (unsharded, scatter_reduce), two
-# seeds each; then real 0.5B gradients for tools/accuracy.py; a loss plot when matplotlib exists.
+# Issue-14 GPU measurements in one call (about 5 minutes on an H200; BENCHMARKS.md, runs 15-18):
+#  1. step time and memory, each run alone on the GPU: PyTorch bf16 gradients, lowgrad scatter_reduce
+#     (default rounding) and unsharded, 16 x 1024 bytes per micro-step, 4 micro-steps;
+#  2. a profiled lowgrad run (GPU time per stream; how much of lowgrad's stream overlaps compute);
+#  3. loss curves of every mode at once (step times not comparable there): PyTorch fp32 and bf16,
+#     lowgrad ldsr / sr / rn, two seeds where it matters;
+#  4. real 0.5B gradients through tools/accuracy.py; 5. the loss plot.
 #   bash examples/run_transformer_gpu.sh [OUTDIR]     (default: $OUT, else ./transformer_runs)
-#   (CPU smoke: SIZE=tiny STEPS=2 GRAD_MICRO=64 bash examples/run_transformer_gpu.sh /tmp/tt)
+#   (CPU smoke: SIZE=tiny STEPS=2 GRAD_MICRO=8 BATCH=2 SEQ=32 bash examples/run_transformer_gpu.sh /tmp/tt)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUTDIR=${1:-${OUT:-transformer_runs}}
-STEPS=${STEPS:-200}
-mkdir -p "$OUTDIR"
-COMMON=(--size "${SIZE:-0.5b}" --steps "$STEPS" --micro-steps 4 --batch 8 --seq 512 --log-every 50)
-for seed in 0 1; do
-  for run in "torch_fp32 --mode torch_fp32" "torch_bf16 --mode torch_bf16" \
-             "lowgrad_unsharded --mode lowgrad --strategy unsharded" \
-             "lowgrad_scatter_reduce --mode lowgrad --strategy scatter_reduce"; do
-    set -- $run; name=$1; shift
-    timeout 150 python3 examples/train_transformer.py "$@" "${COMMON[@]}" --seed "$seed" \
-      --json "$OUTDIR/${name}_s$seed.json" > "$OUTDIR/${name}_s$seed.log" 2>&1
-    echo "$name seed $seed: rc=$? $(tail -1 "$OUTDIR/${name}_s$seed.log")"
-  done
+SIZE=${SIZE:-0.5b}
+mkdir -p "$OUTDIR/curves"
+T=(--size "$SIZE" --steps 7 --micro-steps 4 --batch "${BATCH:-16}" --seq "${SEQ:-1024}" --log-every 0)
+for run in "t_torch_bf16 --mode torch_bf16" "t_lowgrad_scatter_reduce --mode lowgrad --strategy scatter_reduce" \
+           "t_lowgrad_unsharded --mode lowgrad --strategy unsharded"; do
+  set -- $run; name=$1; shift
+  timeout 90 python3 examples/train_transformer.py "$@" "${T[@]}" --json "$OUTDIR/$name.json" > "$OUTDIR/$name.log" 2>&1
+  echo "$name: rc=$? $(tail -1 "$OUTDIR/$name.log")"
 done
-timeout 120 python3 examples/train_transformer.py --size "${SIZE:-0.5b}" --save-grads "$OUTDIR/grads_0.5b.npy" \
-  --micro-steps "${GRAD_MICRO:-2048}" --batch 2 --seq 256 > "$OUTDIR/save_grads.log" 2>&1 && \
-  python3 tools/accuracy.py --grads "$OUTDIR/grads_0.5b.npy" --micro 32,128,512,2048 \
-    --json "$OUTDIR/accuracy_0.5b.json" | tee "$OUTDIR/accuracy_0.5b.log"
-rm -f "$OUTDIR/grads_0.5b.npy"
+timeout 90 python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce "${T[@]}" --profile \
+  --json "$OUTDIR/profile.json" > "$OUTDIR/profile.log" 2>&1
+echo "profile: rc=$? $(grep -E 'side_hidden' "$OUTDIR/profile.log")"
+L=(--size "$SIZE" --steps "${STEPS:-50}" --micro-steps 4 --batch "${BATCH:-8}" --seq "${SEQ:-512}" --log-every 10)
+pids=()
+for run in "torch_fp32_s0 --mode torch_fp32 --seed 0" "torch_bf16_s0 --mode torch_bf16 --seed 0" \
+           "torch_bf16_s1 --mode torch_bf16 --seed 1" "ldsr_s0 --mode lowgrad --rounding ldsr --seed 0" \
+           "ldsr_s1 --mode lowgrad --rounding ldsr --seed 1" "sr_s0 --mode lowgrad --rounding sr --seed 0" \
+           "rn_s0 --mode lowgrad --rounding rn --seed 0"; do
+  set -- $run; name=$1; shift
+  timeout 200 python3 examples/train_transformer.py "$@" --strategy scatter_reduce "${L[@]}" \
+    --json "$OUTDIR/curves/$name.json" > "$OUTDIR/curves/$name.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for f in "$OUTDIR"/curves/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+timeout 150 python3 examples/train_transformer.py --size "$SIZE" --save-grads "$OUTDIR/grads.npy" \
+  --micro-steps "${GRAD_MICRO:-256}" --batch 2 --seq 256 > "$OUTDIR/save_grads.log" 2>&1 && \
+  python3 tools/accuracy.py --grads "$OUTDIR/grads.npy" --micro 32,128,"${GRAD_MICRO:-256}" \
+    --json "$OUTDIR/accuracy.json" | tee "$OUTDIR/accuracy.log"
+rm -f "$OUTDIR/grads.npy"
 python3 - "$OUTDIR" <<'PY'
 import json, sys
 from pathlib import Path
+import numpy as np
 sys.path.insert(0, "examples")
 from train_lm import plot_curves
-runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("*_s[01].json"))]
+runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1], "curves").glob("*.json"))]
 for r in runs:
-    print(f"{r['label']:<36} loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}  step {r['step_ms_median']:.1f} ms  "
-          f"torch peak {r['torch_peak_mib'] or 0:.0f} MiB")
-plot_curves(runs, str(Path(sys.argv[1]) / "transformer_losses.png"))
+    print(f"{r['label']:<40} loss {r['loss'][0]:.3f} -> mean of the last 10 steps {np.mean(r['loss'][-10:]):.3f}")
+k = min(10, min(len(r["loss"]) for r in runs)) if runs else 1
+smooth = [{"label": r["label"], "loss": list(np.convolve(r["loss"], np.ones(k) / k, mode="valid"))} for r in runs]
+plot_curves(smooth, str(Path(sys.argv[1]) / "transformer_losses.png"))
 PY
