@@ -36,9 +36,10 @@ a backward outside ``micro_step``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from time import perf_counter_ns
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -132,9 +133,10 @@ class Attached:
         self._handles: list[Any] = []
         for layer, params in enumerate(self._blocks):
             for n, p in params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._block_hook(layer, n)))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    self._hook(n, partial(self._block_arrived, layer, n))))
         for n, p in self._non_block:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._non_block_hook(n)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._hook(n, partial(self._non_block_arrived, n))))
 
     # ---- the micro-step ----------------------------------------------------------------
     @contextmanager
@@ -191,11 +193,13 @@ class Attached:
                 if p.grad is not None:
                     self._block_arrived(layer, name, p)
 
-    def _block_hook(self, layer: int, name: str) -> Any:
+    def _hook(self, name: str, arrived: Callable[[torch.Tensor], None]) -> Any:
+        """The post-accumulate-grad hook of parameter ``name``: ``arrived(p)`` now, unless this
+        micro-step delivers at its end; its host time counted in :attr:`host_seconds`."""
         def hook(p: torch.Tensor) -> None:
             t0 = perf_counter_ns()
             if not self._deferring(name):
-                self._block_arrived(layer, name, p)
+                arrived(p)
             self._host_ns += perf_counter_ns() - t0
         return hook
 
@@ -219,14 +223,6 @@ class Attached:
         if not self._missing:
             self.gm.notify_block(layer, self._stream)
             self._fetched, self._next = None, layer - 1
-
-    def _non_block_hook(self, name: str) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            t0 = perf_counter_ns()
-            if not self._deferring(name):
-                self._non_block_arrived(name, p)
-            self._host_ns += perf_counter_ns() - t0
-        return hook
 
     def _non_block_arrived(self, name: str, p: torch.Tensor) -> None:
         buf, accumulate = self.gm.non_block_full(name, self._stream)
