@@ -94,6 +94,8 @@ def test_rounding_misuse() -> None:
     def job(c: Any) -> None:
         with pytest.raises(ValueError, match="rounding must be one of"):
             lg.create_gradient_manager(layout, c, strategy="scatter_reduce", rounding="stochastic")
+        with pytest.raises(TypeError, match="rounding must be a str"):
+            lg.create_gradient_manager(layout, c, strategy="scatter_reduce", rounding=["sr"])
         with pytest.raises(ValueError, match="unsharded manager rounds nothing"):
             lg.create_gradient_manager(layout, c, strategy="unsharded", rounding="sr")
         gm = lg.create_gradient_manager(layout, c, strategy="scatter_reduce", rounding="ldsr")
@@ -102,5 +104,7 @@ def test_rounding_misuse() -> None:
         other = lg.create_gradient_manager(layout, c, strategy="scatter_reduce", rounding="sr")
         with pytest.raises(ValueError, match="rounding 'ldsr' does not match this manager's 'sr'"):
             other.load_state_dict(state)
+        with pytest.raises(TypeError, match="rounding must be a str"):
+            other.load_state_dict({**state, "rounding": ["sr"]})
         gm.close(), other.close()
     lg.run_threads(1, job)

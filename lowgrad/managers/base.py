@@ -263,7 +263,7 @@ class GradientManager(NonBlockGradients, ABC):
         return ManagerState(self.strategy, self.base_seed, self.step, self.rank, self.world, self.rounding).as_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of the same strategy, rank and world (between steps).
+        """Restore a :meth:`state_dict` of the same strategy, rank, world and rounding (between steps).
         The whole state is checked before anything changes: TypeError for a non-mapping or a
         value of the wrong type, ValueError for missing or unknown keys, an unknown version, a
         value out of range or a mismatch. The shards are unreadable until the next step ends."""

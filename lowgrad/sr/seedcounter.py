@@ -53,6 +53,9 @@ def ld_shift(micro_step: int) -> int:
 
 
 def check_rounding(rounding: Any) -> str:
+    """``rounding`` if it names a rounding mode; TypeError for a non-str, ValueError otherwise."""
+    if not isinstance(rounding, str):
+        raise TypeError(f"rounding must be a str, one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
     return str(rounding)
