@@ -22,8 +22,10 @@ memory report go to ``--json``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import sysconfig
@@ -87,7 +89,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     attached = opt = masters = None
     if args.mode == "lowgrad":
         rounding = None if args.strategy == "unsharded" else args.rounding
-        attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding)
+        attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding,
+                                        overlap=not args.no_overlap)
         opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
     elif args.mode == "torch_bf16":
         masters = [p.detach().float().clone().requires_grad_() for p in params]
@@ -98,27 +101,35 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     M, losses, times = args.micro_steps, [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    prof, profiled = None, None
+    prof, profiled, cprof = None, None, None
     host_s: list[float] = []  # lowgrad's host time per step (hooks and micro-step bookkeeping)
+    phases = Phases(M, cuda)
     for step in range(args.steps):
         host0 = attached.host_seconds if attached is not None else 0.0
         if args.profile and step == PROFILE_FROM:
             torch.cuda.synchronize(device) if cuda else None
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+            # GPU activity only: recording every operator on the host would make the run host-bound
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
+                                                      else torch.profiler.ProfilerActivity.CPU])
             prof.start()
+        if args.cprofile and step == 2:
+            cprof = cProfile.Profile()
+            cprof.enable()
         t0 = time.perf_counter()
+        phases.mark(0)
         total = torch.zeros((), device=device)
         for m in range(M):
             x, y = (t.to(device, non_blocking=True) for t in next(data))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.mode == "torch_fp32"):
                 logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1)) / M
+            phases.mark(1 + 2 * m)
             if attached is not None:
                 with attached.micro_step(m, M):
                     loss.backward()
             else:
                 loss.backward()
+            phases.mark(2 + 2 * m)
             total += loss.detach()
         if attached is not None:
             opt.step(max_norm=args.clip)  # type: ignore[union-attr]
@@ -134,10 +145,15 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
                         p.copy_(mp)
                         mp.grad = None
             model.zero_grad(set_to_none=True)
+        phases.mark(2 * M + 1)
         losses.append(float(total))  # one host sync per step, in every mode
+        phases.collect()
         times.append(time.perf_counter() - t0)
         if attached is not None:
             host_s.append(attached.host_seconds - host0)
+        if args.cprofile and step == 1 + args.cprofile:
+            cprof.disable()
+            pstats.Stats(cprof).sort_stats("tottime").print_stats(40)
         if prof is not None and step == PROFILE_FROM + PROFILE_STEPS - 1:
             prof.stop()
             profiled, prof = gpu_overlap(prof, PROFILE_STEPS), None
@@ -145,7 +161,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
     how = f"/{args.strategy}" + (f"/{attached.gm.rounding}" if attached.gm.rounding else "") if attached else ""
-    label = f"{args.mode}{how} seed {args.seed}"
+    label = f"{args.mode}{how}{' no-overlap' if attached and args.no_overlap else ''} seed {args.seed}"
     out = {"label": label, "mode": args.mode, "strategy": args.strategy if attached is not None else None,
            "rounding": attached.gm.rounding if attached is not None else None,
            "size": args.size,
@@ -155,6 +171,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
            "torch_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None,
            "lowgrad_host_ms_median": 1e3 * statistics.median(host_s[min(2, len(host_s) - 1):]) if host_s else None,
            "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
+           "phases": phases.summary(skip=min(2, args.steps - 1)),
            "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled}
     if attached is not None:
         opt.close()  # type: ignore[union-attr]
@@ -163,6 +180,51 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 PROFILE_FROM, PROFILE_STEPS = 3, 3
+
+
+class Phases:
+    """Where a step's time goes: the host time and the GPU time of each phase (forward of
+    micro-step m, its backward with lowgrad's hooks, the optimizer), from a host clock and a CUDA
+    event on PyTorch's current stream at the end of each phase. ``lag`` at a phase's end is how
+    far the GPU finished it after the host had queued it (the GPU is idle at a step's start, so
+    both clocks start together): near 0 the GPU was waiting for the host (host-bound there),
+    large it was the GPU that set the pace."""
+
+    def __init__(self, micro_steps: int, cuda: bool) -> None:
+        self.names = [f"{what}{m}" for m in range(micro_steps) for what in ("forward", "backward")] + ["optimizer"]
+        self.host = [0.0] * (len(self.names) + 1)
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in self.host] if cuda else None
+        self.rows: list[tuple[list[float], list[float] | None, list[float] | None]] = []
+
+    def mark(self, i: int) -> None:
+        self.host[i] = time.perf_counter()
+        if self.events is not None:
+            self.events[i].record()
+
+    def collect(self) -> None:
+        """After the step's host sync: this step's phase times (ms)."""
+        h = [1e3 * (b - a) for a, b in zip(self.host, self.host[1:])]
+        g = lag = None
+        if self.events is not None:
+            self.events[-1].synchronize()
+            at = [self.events[0].elapsed_time(e) for e in self.events]
+            g = [b - a for a, b in zip(at, at[1:])]
+            lag = [t - 1e3 * (h_end - self.host[0]) for t, h_end in zip(at[1:], self.host[1:])]
+        self.rows.append((h, g, lag))
+
+    def summary(self, skip: int) -> dict[str, Any]:
+        """Medians over the steps after the first ``skip``: per phase, and forward/backward summed."""
+        rows = self.rows[skip:]
+        out: dict[str, Any] = {}
+        for k, key in enumerate(("host_ms", "gpu_ms", "lag_ms")):
+            if not rows or rows[0][k] is None:
+                continue
+            med = [statistics.median(r[k][i] for r in rows) for i in range(len(self.names))]  # type: ignore[index]
+            out[key] = dict(zip(self.names, med))
+            if key != "lag_ms":
+                out[key]["forward"] = sum(v for n, v in zip(self.names, med) if n.startswith("forward"))
+                out[key]["backward"] = sum(v for n, v in zip(self.names, med) if n.startswith("backward"))
+        return out
 
 
 def gpu_overlap(prof: Any, steps: int) -> dict[str, Any]:
@@ -246,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
     p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
                    help="the sharded strategies' rounding into the bf16 shards")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="lowgrad: deliver each micro-step's gradients at its end (attach(overlap=False))")
     p.add_argument("--size", choices=tuple(SIZES), default="0.5b")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--micro-steps", type=int, default=4)
@@ -260,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and how "
                         "much of the side streams' work (lowgrad's) overlaps the compute stream")
+    p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                   help="Python's profiler over STEPS steps from step 2: where the host time goes (every thread "
+                        "where the profiler sees them, autograd's hooks included on Python 3.12+)")
     p.add_argument("--save-grads", metavar="PATH.npy",
                    help="instead of training: save --micro-steps micro-batches' fp32 gradients for tools/accuracy.py")
     p.add_argument("--save-elems", type=int, default=65536, help="with --save-grads: sampled gradient elements")
@@ -272,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.zeros(1, device="cuda").add_(1)
     result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
+    ph = result["phases"]
+    for key in ("host_ms", "gpu_ms"):
+        if key in ph:
+            print(f"  {key[:-3]:>4} ms: forward {ph[key]['forward']:.1f}, backward {ph[key]['backward']:.1f}, "
+                  f"optimizer {ph[key]['optimizer']:.1f}")
+    if "lag_ms" in ph:
+        print("  GPU lag ms at " + ", ".join(f"{n} {v:.1f}" for n, v in ph["lag_ms"].items()))
     print(f"{result['label']}: final loss {result['loss'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")
     if args.json:

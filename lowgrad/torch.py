@@ -104,6 +104,11 @@ def module_layout(model: torch.nn.Module, blocks: str | None = None
     return layout, per_block, non_block
 
 
+def _whose(layer: int | None, name: str) -> str:
+    """A gradient's name in messages: ``block 3 mlp.up_proj.weight``, or the non-block name."""
+    return name if layer is None else f"block {layer} {name}"
+
+
 class Attached:
     """A gradient manager fed by a module's backward (see :func:`attach`). ``gm`` is the
     manager; shards and the norm are read through it or through the torch views below."""
@@ -123,6 +128,7 @@ class Attached:
         self.device = comm.device
         self._snapshot = self._params()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._container_views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
         self._active = False
         self._stream: Any = None
         self._fetched: int | None = None
@@ -169,7 +175,7 @@ class Attached:
             self.gm.end_micro_step(self._stream)
             self._host_ns += perf_counter_ns() - t0
         finally:
-            self._active = False
+            self._active, self._defer = False, None
 
     def _deferring(self, name: str) -> bool:
         """Whether this micro-step leaves the gradients in ``p.grad`` until its end: always with
@@ -198,7 +204,7 @@ class Attached:
         micro-step delivers at its end; its host time counted in :attr:`host_seconds`."""
         def hook(p: torch.Tensor) -> None:
             t0 = perf_counter_ns()
-            if not self._deferring(name):
+            if self._defer is False or not self._deferring(name):  # False only inside a micro-step
                 arrived(p)
             self._host_ns += perf_counter_ns() - t0
         return hook
@@ -213,12 +219,12 @@ class Attached:
                 raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived, expected block "
                                     f"{self._next} (backward goes from the last block to the first)")
             dw, self._accumulate = self.gm.block_full(layer, self._stream)
-            self._buffers = {n: self._torch(dw[n]) for n, _ in self._blocks[layer]}
+            self._buffers = self._views_of(dw, layer)
             self._missing = set(self._buffers)
             self._fetched = layer
         if name not in self._missing:
             raise ProtocolError(f"lowgrad.torch: block {layer}'s {name} delivered a gradient twice in one backward")
-        self._deliver(p, self._buffers[name], self._accumulate, f"block {layer} {name}")
+        self._deliver(p, self._buffers[name], self._accumulate, layer, name)
         self._missing.discard(name)
         if not self._missing:
             self.gm.notify_block(layer, self._stream)
@@ -226,16 +232,18 @@ class Attached:
 
     def _non_block_arrived(self, name: str, p: torch.Tensor) -> None:
         buf, accumulate = self.gm.non_block_full(name, self._stream)
-        self._deliver(p, self._torch(buf), accumulate, name)
+        self._deliver(p, self._torch(buf), accumulate, None, name)
         self.gm.notify_non_block(name, self._stream)
 
-    def _deliver(self, p: torch.Tensor, buf: torch.Tensor, accumulate: bool, what: str) -> None:
+    def _deliver(self, p: torch.Tensor, buf: torch.Tensor, accumulate: bool, layer: int | None, name: str) -> None:
+        """``p.grad`` into (or, with ``accumulate``, added to) ``buf`` on the current stream; ``p.grad``
+        released. ``layer``/``name`` say whose gradient it is (block ``layer``, or None: non-block)."""
         g = p.grad
         p.grad = None
         if g is None or g.layout != torch.strided:
-            raise TypeError(f"lowgrad.torch: {what}: expected a dense gradient, got {g if g is None else g.layout}")
+            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: expected a dense gradient, got {g if g is None else g.layout}")
         if g.dtype != buf.dtype or g.shape != buf.shape:
-            raise TypeError(f"lowgrad.torch: {what}: gradient {g.dtype} {tuple(g.shape)}, the manager's buffer is "
+            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: gradient {g.dtype} {tuple(g.shape)}, the manager's buffer is "
                             f"{buf.dtype} {tuple(buf.shape)} (make the model's parameters {buf.dtype}, or create "
                             "the manager with their dtype)")
         if accumulate:
@@ -283,6 +291,7 @@ class Attached:
             h.remove()
         self._handles = []
         self._views.clear()
+        self._container_views.clear()
         self.gm.close()
 
     # ---- helpers -----------------------------------------------------------------------
@@ -293,6 +302,16 @@ class Attached:
         if v is None:
             v = self._views[key] = torch.from_dlpack(t).reshape(t.shape)
         return v
+
+    def _views_of(self, c: Any, layer: int) -> dict[str, torch.Tensor]:
+        """Torch views of the manager's container ``c`` of block ``layer``'s buffers, by name: made
+        once per container (a manager hands out the same few containers every micro-step)."""
+        hit = self._container_views.get(id(c))
+        if hit is None or hit[0] is not c:
+            if len(self._container_views) >= 4 * self.layout.num_layers:  # a manager making new ones: stay bounded
+                self._container_views.clear()
+            hit = self._container_views[id(c)] = (c, {n: self._torch(c[n]) for n, _ in self._blocks[layer]})
+        return hit[1]
 
     def _current_stream(self) -> Any:
         if getattr(self.device, "backend", None) == "cuda":
@@ -319,17 +338,14 @@ class ShardOptimizer:
         self.attached = attached
         comm = attached.gm.comm
         self.rank, self.world = comm.rank, comm.world
-        self._slots: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (module param, its rows, shard getter)
-        for layer, params in enumerate(attached._blocks):
-            for n, p in params:
-                self._slots.append((p, self._rows(p), (layer, n)))
-        for n, p in attached._non_block:
-            self._slots.append((p, self._rows(p), n))
+        # the module's parameters in the order of the shards step() reads: blocks, then non-block
+        self._module_params = [p for params in attached._blocks for _, p in params] + [p for _, p in attached._non_block]
+        self._module_rows = [self._rows(p) for p in self._module_params]
         self.master_weights = master_weights
         self.params = [torch.nn.Parameter(rows.detach().float().clone() if master_weights else rows.detach())
-                       for _, rows, _ in self._slots]
+                       for rows in self._module_rows]
         self.optimizer = (optimizer_cls or torch.optim.AdamW)(self.params, **optimizer_kwargs)
-        biggest = max(p.numel() for p, _, _ in self._slots)
+        biggest = max(p.numel() for p in self._module_params)
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
             if self.world > 1 else None
 
@@ -342,31 +358,27 @@ class ShardOptimizer:
         are first scaled by :meth:`Attached.clip_coefficient` (a non-finite norm scales them by
         0) and the ``finite`` flag is returned (a 0-d bool tensor; no host sync)."""
         att = self.attached
-        finite = None
-        coef = None
+        finite = coef = None
         if max_norm is not None:
             coef, finite = att.clip_coefficient(max_norm)
-        blocks: dict[int, dict[str, torch.Tensor]] = {}
-        for param, (_, _, key) in zip(self.params, self._slots):
-            if isinstance(key, tuple):
-                layer, name = key
-                if layer not in blocks:
-                    blocks[layer] = att.block_shards(layer)
-                shard = blocks[layer][name]
-            else:
-                shard = att.non_block_shard(key)
-            grad = shard.float() if self.master_weights else shard.clone()
-            if coef is not None:
-                grad.mul_(coef.to(grad.dtype))
+        shards: list[torch.Tensor] = []
+        for layer in range(att.layout.num_layers):
+            shards.extend(att.block_shards(layer).values())
+        shards.extend(att.non_block_shard(n) for n, _ in att._non_block)
+        dtype = torch.float32 if self.master_weights else shards[0].dtype
+        grads = [s.to(dtype, copy=True) for s in shards]  # the optimizer may change its gradients
+        if coef is not None:
+            torch._foreach_mul_(grads, coef.float())
+        for param, grad in zip(self.params, grads):
             param.grad = grad
         self.optimizer.step()
         for param in self.params:
             param.grad = None
         with torch.no_grad():
-            for (module_param, rows, _), param in zip(self._slots, self.params):
-                if self.master_weights:
-                    rows.copy_(param)
-                if self._gather is not None:
+            if self.master_weights:
+                torch._foreach_copy_(self._module_rows, self.params)
+            if self._gather is not None:
+                for module_param in self._module_params:
                     self._all_gather(module_param)
         return finite
 

@@ -309,7 +309,7 @@ def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool) -> No
         assert coef < 1 and abs(float(coef) - 0.5 / (float(norm) + 1e-6)) <= 1e-5 * float(coef)  # ... = float64
         for n, mp in masters.items():
             g = full[n].float() if master else full[n].clone()
-            mp.grad = g.mul_(coef.to(g.dtype))
+            mp.grad = g.mul_(coef.float())  # the coefficient in float32, one rounding of the product
         opt.step()
         if master:
             with torch.no_grad():

@@ -33,8 +33,10 @@ _TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}  # dtype -> the suffix in 
 
 
 # ---- locations and the kernel table ----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def kernel_dir() -> Path:
-    """The kernel sources: ``lowgrad/kernels`` in an installed wheel, ``<repo>/kernels`` in a checkout."""
+    """The kernel sources: ``lowgrad/kernels`` in an installed wheel, ``<repo>/kernels`` in a checkout
+    (looked up once per process: every kernel lookup goes through here)."""
     package = Path(__file__).resolve().parents[1]  # lowgrad/
     candidates = (package / "kernels", package.parent / "kernels")
     for d in candidates:

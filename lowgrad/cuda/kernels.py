@@ -119,6 +119,7 @@ class CudaKernels(Kernels):
         self._modules = {name: _cuda.check("cuModuleLoadData", drv.cuModuleLoadData(cubin))
                          for name, cubin in compile_kernels(device.arch).items()}
         self._kernels: dict[Any, Kernel] = {}
+        self._norm_kernels: dict[tuple[DType, DType], tuple[Kernel, Kernel]] = {}
         self._workspaces: dict[tuple[int, DType], Tensor] = {}
         self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -146,6 +147,15 @@ class CudaKernels(Kernels):
             spec = add_sr_spec(*key[1:]) if key[0] == "add_sr" else reduce_sr_spec(*key[1:])
             k = self._kernels[key] = self.kernel(spec)
         return k
+
+    def _norm_stages(self, x_dtype: DType, out_dtype: DType) -> tuple[Kernel, Kernel]:
+        """norm_squared's two stages for these dtypes, looked up once."""
+        key = (x_dtype, out_dtype)
+        stages = self._norm_kernels.get(key)
+        if stages is None:
+            s1, s2 = norm_squared_specs(x_dtype, out_dtype)
+            stages = self._norm_kernels[key] = (self.kernel(s1), self.kernel(s2))
+        return stages
 
     def blocks(self, n: int, block: int) -> int:
         """Blocks of ``block`` threads that give each thread one group (``GROUP_ELEMS``) of ``n``
@@ -266,7 +276,7 @@ class CudaKernels(Kernels):
             k.launch(self.grid(max(1, src.nbytes // 2), k.block), stream, dst.ptr, src.ptr, src.nbytes)
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
-        stage1, stage2 = (self.kernel(s) for s in norm_squared_specs(x.dtype, out.dtype))
+        stage1, stage2 = self._norm_stages(x.dtype, out.dtype)
         ws = self._workspace(stream, out.dtype)
         grid = min(self.blocks(x.numel, stage1.block), NORM_PARTIALS)
         if grid:
