@@ -342,7 +342,8 @@ class ShardOptimizer:
         self._module_params = [p for params in attached._blocks for _, p in params] + [p for _, p in attached._non_block]
         self._module_rows = [self._rows(p) for p in self._module_params]
         self.master_weights = master_weights
-        self.params = [torch.nn.Parameter(rows.detach().float().clone() if master_weights else rows.detach())
+        self.params: list[torch.Tensor] = [torch.nn.Parameter(rows.detach().float().clone() if master_weights
+                                                              else rows.detach())
                        for rows in self._module_rows]
         self.optimizer = (optimizer_cls or torch.optim.AdamW)(self.params, **optimizer_kwargs)
         biggest = max(p.numel() for p in self._module_params)

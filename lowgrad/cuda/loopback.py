@@ -26,7 +26,9 @@ sit in a queue ahead of the kernel it waits for. Each collective therefore runs 
    stream waits for the done event.
 
 A device-side wait only ever waits for work queued before it, so no wait can hold back what it
-waits for, and a rank may block in a device-wide synchronize between collectives. The host
+waits for, and a rank may block in a device-wide synchronize between collectives. Groups of sends
+and receives meet their peers instead of every rank, pair by pair in one order of the pairs
+(``_flush_p2p``), which keeps that rule. The host
 never waits for the GPU inside a collective, so CUDA-graph capture works as with NCCL (the
 loopback stream joins the capture through the events; each replay meets the threads before and
 after its launch).
@@ -143,7 +145,8 @@ class LoopbackGroup:
         """Block until every peer of this rank's group of sends and receives has flushed its own;
         ``plan``: peer -> (what this rank sends it, what it receives from it), each a list of
         (dtype, elements); ValueError on both sides when a send and its receive differ. With
-        ``tag="queued"`` (plan values None): every peer has queued its part."""
+        plan values None, only a meeting: ``tag="pair"`` (both may queue their part for each
+        other now), ``tag="queued"`` (every peer has queued its part)."""
         try:
             for peer, item in plan.items():
                 self.meet.post(rank, peer, tag, item)
@@ -419,36 +422,39 @@ class LoopbackCommunicator(CommBase):
             self._flush_p2p()
 
     def _flush_p2p(self) -> None:
-        """A group's sends and receives: one meeting with every peer involved (publishing the
-        sends), the receives' copies, a second meeting (the receivers have read)."""
+        """A group's sends and receives. First one meeting with every peer involved (each send
+        checked against its receive; nothing is queued before it passed). Then one peer at a
+        time, the pairs in one order on every rank (lower rank, then higher): meet that peer
+        again, queue a sync that publishes this rank's sends to it, the copies of its sends into
+        this rank's receives and a second sync (it has read). Last the ranks meet once more (every
+        peer has queued its part).
+
+        Meeting pair by pair keeps the module's rule for groups of sends and receives: a rank
+        queues a device-side wait for a peer only once that peer has nothing left to wait for on
+        the host before it queues its own part. (One meeting with all peers did not: in a ring,
+        rank r+1 could queue its wait for rank r while r still waited on the host for r-1, and a
+        device-wide synchronize in r-1 then waited on a kernel that could not finish.) The pair
+        order is one total order of the pairs, so the meetings never wait in a cycle."""
         ops, self._p2p = self._p2p, []
         if not ops:
             return
-        plan: dict[int, tuple[list[Any], list[Any]]] = {}
+        r, W, h, base = self.rank, self.world, self._stream_h, self.world * PTRS
+        by_peer: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         for is_send, t, peer, _ in ops:
-            plan.setdefault(peer, ([], []))[0 if is_send else 1].append((t.dtype.name, t.numel))
+            by_peer.setdefault(peer, ([], []))[0 if is_send else 1].append(t)
         streams = self._ready_on([h for *_, h in ops])
-        self.shared.match(self.rank, plan, self.timeout)
+        self.shared.match(r, {peer: tuple([(t.dtype.name, t.numel) for t in ts] for ts in pair)
+                              for peer, pair in by_peer.items()}, self.timeout)
         self._start(streams)
-        h = self._stream_h
-        W, r, base = self.world, self.rank, self.world * PTRS
-        peers, ptrs, entries = 0, [], []
-        k: dict[tuple[bool, int], int] = {}  # messages so far per (direction, peer)
-        for is_send, t, peer, _ in ops:
-            peers |= 1 << peer
-            if is_send:
-                i = k[(True, peer)] = k.get((True, peer), -1) + 1
-                ptrs.append(t.ptr)
-                entries.append(base + (r * W + peer) * PTRS + i)
-        last = max(len(ptrs) - 1, 0) // PTRS * PTRS  # publish in chunks; the last one meets the peers
-        for start in range(0, last + 1, PTRS):
-            self._sync(h, ptrs[start:start + PTRS], entries[start:start + PTRS], peers if start == last else 0)
-        for is_send, t, peer, _ in ops:
-            if not is_send:
-                i = k[(False, peer)] = k.get((False, peer), -1) + 1
+        for peer in sorted(by_peer, key=lambda q: (min(q, r), max(q, r))):
+            sends, recvs = by_peer[peer]
+            self.shared.match(r, {peer: None}, self.timeout, tag="pair")
+            self._sync(h, [t.ptr for t in sends], [base + (r * W + peer) * PTRS + i for i in range(len(sends))],
+                       1 << peer)
+            for i, t in enumerate(recvs):
                 self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
-        self._sync(h, peers=peers)
-        self._finish(streams, dict.fromkeys(plan))
+            self._sync(h, peers=1 << peer)
+        self._finish(streams, dict.fromkeys(by_peer))
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
         """:meth:`all_to_all` of several buffers in the same ``world - 1`` steps (each step a
