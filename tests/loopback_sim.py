@@ -5,13 +5,17 @@
 thread until its peers arrive, as the kernel blocks its stream). That is one legal schedule of
 the device work, so it checks the communicator's protocol — the meetings, the table entries, the
 copy and reduction arguments, the all-to-all schedule, sends and receives, aborts, timeouts and
-departures — but not stream ordering (the GPU tests do). ``patch(monkeypatch)`` swaps the
+departures — but not stream ordering (the GPU tests do). A device-wide synchronize (and so a
+host copy) waits, as ``cuCtxSynchronize`` does, until no rank's sync is waiting for its peers;
+if one still waits after ``SYNC_BOUND`` seconds it raises (on a GPU the synchronize would hang
+until the loopback timeout). ``patch(monkeypatch)`` swaps the
 launcher in :mod:`lowgrad.cuda.loopback`; ``run(world, fn)`` runs ranks through
 ``lowgrad.run_threads(..., share_gpu=SimDevice())``.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from typing import Any
 
@@ -69,6 +73,18 @@ def sync(a: dict[str, Any]) -> None:
             time.sleep(2e-4)
 
 
+SYNC_BOUND = 5.0
+_syncs = threading.Condition()
+_waiting = [0]  # ranks inside a sync (the simulated device is busy)
+
+
+def device_wide_synchronize() -> None:
+    with _syncs:
+        if not _syncs.wait_for(lambda: _waiting[0] == 0, SYNC_BOUND):
+            raise AssertionError(f"a device-wide synchronize waited {SYNC_BOUND:g} s for loopback syncs that did not "
+                                 "finish: a rank queued a device-side wait for a peer that waits on the host")
+
+
 def copy(a: dict[str, Any]) -> None:
     if not word(a["flag"], 0):
         ctypes.memmove(a["dst"], word(a["table"], a["entry"]) + a["src_offset"], a["nbytes"])
@@ -98,7 +114,14 @@ class SimKernel:
             i += p.count
         name = self.spec.symbol
         if name == "loopback_sync":
-            sync(a)
+            with _syncs:
+                _waiting[0] += 1
+            try:
+                sync(a)
+            finally:
+                with _syncs:
+                    _waiting[0] -= 1
+                    _syncs.notify_all()
         elif name == "loopback_copy":
             copy(a)
         elif name == "loopback_delay":
@@ -120,7 +143,20 @@ class SimKernels(HostKernels):
 
 
 class SimDevice(HostDevice):
-    """A host device whose kernel table also runs the loopback kernels."""
+    """A host device whose kernel table also runs the loopback kernels, and whose synchronize
+    and host copies wait for every rank's syncs (as a GPU's would)."""
+
+    def synchronize(self) -> None:
+        device_wide_synchronize()
+        super().synchronize()
+
+    def copy_to_host(self, out: np.ndarray, src: lg.Tensor) -> None:
+        device_wide_synchronize()
+        super().copy_to_host(out, src)
+
+    def copy_from_host(self, dst: lg.Tensor, arr: np.ndarray) -> None:
+        device_wide_synchronize()
+        super().copy_from_host(dst, arr)
 
     @property
     def kernels(self) -> SimKernels:

@@ -64,6 +64,27 @@ def test_disagreeing_ranks_raise_on_the_host() -> None:
         run(2, p2p)
 
 
+def test_a_device_synchronize_while_the_others_wait_in_a_ring_of_sends() -> None:
+    """Rank 0 copies to the device (a device-wide synchronize) while the others already wait for
+    it in a group of sends and receives: no rank may have a sync waiting for a peer that still
+    waits on the host (the simulated synchronize raises then; on a GPU it hung until the
+    loopback timeout). tests/test_loopback_gpu.py has the same case on the device."""
+    def job(comm: Any) -> np.ndarray:
+        if comm.rank == 0:
+            time.sleep(0.5)  # the others are in the group by then
+        sent = put(comm, np.full(16, comm.rank, np.float32), lg.fp32, "send")
+        got = comm.device.alloc((16,), lg.fp32, name="recv")
+        s = comm.device.stream()
+        with comm.group(s) as grp:
+            comm.send(sent, (comm.rank + 1) % comm.world)
+            comm.recv(got, (comm.rank - 1) % comm.world)
+        s.wait(grp.event)
+        comm.wait(s)
+        return got.numpy().copy()
+    for rank, g in enumerate(run(4, job, timeout=20)):
+        assert (g == (rank - 1) % 4).all(), rank
+
+
 def test_failures_end_in_bounded_time() -> None:
     def failing(comm: Any) -> None:
         t = put(comm, np.ones(64, np.float32), lg.fp32, "t")
