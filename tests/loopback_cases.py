@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,29 @@ def put(comm: Any, arr: np.ndarray, dtype: lg.DType, name: str) -> lg.Tensor:
     t = comm.device.alloc(arr.shape, dtype, name=name)
     comm.device.copy_from_host(t, arr)
     return t
+
+
+def late_synchronize_ring(comm: Any) -> np.ndarray:
+    """Rank 0 synchronizes the device (a host copy) while the other ranks already wait for it in
+    a ring of grouped sends and receives; returns what this rank received (rank - 1's values).
+    No rank may have a device-side wait queued then for a rank that still waits on the host."""
+    if comm.rank == 0:
+        time.sleep(0.5)  # the others are in the group by then
+    sent = put(comm, np.full(16, comm.rank, np.float32), lg.fp32, "send")  # a device-wide synchronize
+    got = comm.device.alloc((16,), lg.fp32, name="recv")
+    s = comm.device.stream()
+    with comm.group(s) as grp:
+        comm.send(sent, (comm.rank + 1) % comm.world)
+        comm.recv(got, (comm.rank - 1) % comm.world)
+    s.wait(grp.event)
+    comm.wait(s)
+    return got.numpy().copy()
+
+
+def assert_ring(got: list[np.ndarray]) -> None:
+    """Each rank of :func:`late_synchronize_ring` received its left neighbour's values."""
+    for rank, g in enumerate(got):
+        assert (g == (rank - 1) % len(got)).all(), rank
 
 
 def collectives(comm: Any) -> list[np.ndarray]:

@@ -9,7 +9,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from loopback_cases import assert_bits, collectives, layout8, put, train
+from loopback_cases import (
+    assert_bits,
+    assert_ring,
+    collectives,
+    late_synchronize_ring,
+    layout8,
+    put,
+    train,
+)
 from loopback_sim import SimDevice, patch, run
 from test_managers import STRATS, drive, small_layout
 
@@ -65,24 +73,10 @@ def test_disagreeing_ranks_raise_on_the_host() -> None:
 
 
 def test_a_device_synchronize_while_the_others_wait_in_a_ring_of_sends() -> None:
-    """Rank 0 copies to the device (a device-wide synchronize) while the others already wait for
-    it in a group of sends and receives: no rank may have a sync waiting for a peer that still
-    waits on the host (the simulated synchronize raises then; on a GPU it hung until the
-    loopback timeout). tests/test_loopback_gpu.py has the same case on the device."""
-    def job(comm: Any) -> np.ndarray:
-        if comm.rank == 0:
-            time.sleep(0.5)  # the others are in the group by then
-        sent = put(comm, np.full(16, comm.rank, np.float32), lg.fp32, "send")
-        got = comm.device.alloc((16,), lg.fp32, name="recv")
-        s = comm.device.stream()
-        with comm.group(s) as grp:
-            comm.send(sent, (comm.rank + 1) % comm.world)
-            comm.recv(got, (comm.rank - 1) % comm.world)
-        s.wait(grp.event)
-        comm.wait(s)
-        return got.numpy().copy()
-    for rank, g in enumerate(run(4, job, timeout=20)):
-        assert (g == (rank - 1) % 4).all(), rank
+    """:func:`late_synchronize_ring`: the simulated synchronize raises when a rank's sync waits on a
+    peer that waits on the host (on a GPU it hung until the loopback timeout; the GPU tests have
+    the same case on the device)."""
+    assert_ring(run(4, late_synchronize_ring, timeout=20))
 
 
 def test_failures_end_in_bounded_time() -> None:

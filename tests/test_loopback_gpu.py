@@ -8,7 +8,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from loopback_cases import assert_bits, collectives, layout8, put, race_hunt, train
+from loopback_cases import (
+    assert_bits,
+    assert_ring,
+    collectives,
+    late_synchronize_ring,
+    layout8,
+    put,
+    race_hunt,
+    train,
+)
 from test_managers import STRATS
 
 import lowgrad as lg
@@ -66,27 +75,12 @@ def test_a_failing_rank_stops_the_others_in_bounded_time() -> None:
 
 
 def test_a_device_synchronize_while_the_others_wait_in_a_ring_of_sends() -> None:
-    """Rank 0 synchronizes the device (a host copy) while the other ranks already wait for it
-    in a group of sends and receives: no rank may have a device-side wait queued for a rank that
-    still waits on the host, or the synchronize waits for a kernel that cannot finish (until the
-    loopback timeout: once a rare hang of the collectives test at world 8)."""
-    def job(comm: Any) -> np.ndarray:
-        if comm.rank == 0:
-            time.sleep(0.5)  # the others are in the group by then
-        sent = put(comm, np.full(16, comm.rank, np.float32), lg.fp32, "send")  # a device-wide synchronize
-        got = comm.device.alloc((16,), lg.fp32, name="recv")
-        s = comm.device.stream()
-        with comm.group(s) as grp:
-            comm.send(sent, (comm.rank + 1) % comm.world)
-            comm.recv(got, (comm.rank - 1) % comm.world)
-        s.wait(grp.event)
-        comm.wait(s)
-        return got.numpy().copy()
+    """:func:`late_synchronize_ring` on the device: the synchronize returns (it once waited for the
+    loopback timeout: a rare hang of the collectives test at world 8)."""
     t0 = time.monotonic()
-    got = lg.run_threads(4, job, backend="cuda", share_gpu=True, timeout=10)
+    got = lg.run_threads(4, late_synchronize_ring, backend="cuda", share_gpu=True, timeout=10)
     assert time.monotonic() - t0 < 8
-    for rank, g in enumerate(got):
-        assert (g == (rank - 1) % 4).all(), rank
+    assert_ring(got)
 
 
 def test_a_rank_that_never_arrives_times_out_and_a_rank_that_left_is_named() -> None:
