@@ -128,7 +128,6 @@ class Attached:
         self.device = comm.device
         self._snapshot = self._params()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
-        self._container_views: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
         self._active = False
         self._stream: Any = None
         self._fetched: int | None = None
@@ -219,7 +218,7 @@ class Attached:
                 raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived, expected block "
                                     f"{self._next} (backward goes from the last block to the first)")
             dw, self._accumulate = self.gm.block_full(layer, self._stream)
-            self._buffers = self._views_of(dw, layer)
+            self._buffers = {n: self._torch(dw[n]) for n, _ in self._blocks[layer]}
             self._missing = set(self._buffers)
             self._fetched = layer
         if name not in self._missing:
@@ -291,7 +290,6 @@ class Attached:
             h.remove()
         self._handles = []
         self._views.clear()
-        self._container_views.clear()
         self.gm.close()
 
     # ---- helpers -----------------------------------------------------------------------
@@ -302,16 +300,6 @@ class Attached:
         if v is None:
             v = self._views[key] = torch.from_dlpack(t).reshape(t.shape)
         return v
-
-    def _views_of(self, c: Any, layer: int) -> dict[str, torch.Tensor]:
-        """Torch views of the manager's container ``c`` of block ``layer``'s buffers, by name: made
-        once per container (a manager hands out the same few containers every micro-step)."""
-        hit = self._container_views.get(id(c))
-        if hit is None or hit[0] is not c:
-            if len(self._container_views) >= 4 * self.layout.num_layers:  # a manager making new ones: stay bounded
-                self._container_views.clear()
-            hit = self._container_views[id(c)] = (c, {n: self._torch(c[n]) for n, _ in self._blocks[layer]})
-        return hit[1]
 
     def _current_stream(self) -> Any:
         if getattr(self.device, "backend", None) == "cuda":
@@ -342,9 +330,9 @@ class ShardOptimizer:
         self._module_params = [p for params in attached._blocks for _, p in params] + [p for _, p in attached._non_block]
         self._module_rows = [self._rows(p) for p in self._module_params]
         self.master_weights = master_weights
-        self.params: list[torch.Tensor] = [torch.nn.Parameter(rows.detach().float().clone() if master_weights
-                                                              else rows.detach())
-                       for rows in self._module_rows]
+        self.params: list[torch.Tensor] = [
+            torch.nn.Parameter(rows.detach().float().clone() if master_weights else rows.detach())
+            for rows in self._module_rows]
         self.optimizer = (optimizer_cls or torch.optim.AdamW)(self.params, **optimizer_kwargs)
         biggest = max(p.numel() for p in self._module_params)
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
