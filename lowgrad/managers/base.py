@@ -62,6 +62,10 @@ class GradientManager(NonBlockGradients, ABC):
     #: the rounding of a manager created without one (None: the manager rounds nothing itself)
     default_rounding: str | None = DEFAULT_ROUNDING
 
+    #: the block accumulation runs on the engine's stream, not the communication stream (set by
+    #: managers with nothing to exchange: see :class:`lowgrad.managers.sharded.ShardedManager`)
+    _inline = False
+
     def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
                  offload: bool = False, rounding: str | None = None) -> None:
         if not isinstance(layout, Layout):
@@ -129,8 +133,8 @@ class GradientManager(NonBlockGradients, ABC):
             check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
         self._protocol.start(micro_step, total_micro_steps)
         self._join(stream)
-        if micro_step > 0:
-            self._counter.next_micro(self._comm_handle)
+        if micro_step > 0:  # on the stream whose SR kernels read it next
+            self._counter.next_micro(stream_handle(stream) if self._inline else self._comm_handle)
 
     def _join(self, stream: StreamLike) -> None:
         """The communication stream waits for ``stream``'s work so far."""
@@ -161,12 +165,13 @@ class GradientManager(NonBlockGradients, ABC):
 
     def notify_block(self, layer: int, stream: StreamLike) -> None:
         """The engine finished writing layer ``layer``'s gradients on ``stream``: queue the
-        exchange and accumulation on the manager's communication stream."""
+        exchange and accumulation on the manager's communication stream (after ``stream``'s work
+        so far), or, where there is nothing to exchange (a sharded manager at world 1 on the
+        device), the accumulation on ``stream`` itself."""
         self._check_open(f"notify_block({layer})")
         self._protocol.notify(layer)
         with nvtx_range(self._range_names[layer]):
-            self._join(stream)
-            self._exchange_block(layer)
+            self._exchange_block(layer, stream)
 
     @abstractmethod
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
@@ -177,8 +182,9 @@ class GradientManager(NonBlockGradients, ABC):
         """This rank's shards of layer ``layer``, ready on ``stream`` (between steps)."""
 
     @abstractmethod
-    def _exchange_block(self, layer: int) -> None:
-        """Queue layer ``layer``'s exchange/accumulation on ``self.comm_stream``."""
+    def _exchange_block(self, layer: int, stream: StreamLike) -> None:
+        """Queue layer ``layer``'s exchange/accumulation of the gradients the engine wrote on
+        ``stream`` (on ``self.comm_stream`` after :meth:`_join` of ``stream``, or inline)."""
 
     def end_micro_step(self, stream: StreamLike) -> None:
         """Close the micro-step; on the last one, reduce-scatter the non-block gradients and

@@ -14,6 +14,13 @@ Exchange strategies, on the manager's communication stream after the engine's ``
 
 The buffer of layer ``l`` is handed out again (to layer ``l - 2``) only after that exchange and
 accumulation finished: the engine's stream waits on an event, never the host.
+
+At world 1 on the device there is nothing to exchange, and the manager works *inline*: on
+micro-step 0 the engine writes straight into the shards (no copy), after it the SR accumulation
+runs on the engine's stream at ``notify_block``. Measured on an H200 (0.5B model, BENCHMARKS.md
+runs 19–26): beside backward on the communication stream the accumulation slowed the step by
+about 3× its own kernel time; on the engine's stream it costs its kernel time. With offload the
+accumulation crosses PCIe and stays on the communication stream.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from typing import Any
 
 from lowgrad import ops
 from lowgrad.core import capture
-from lowgrad.core.streams import StreamLike
+from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.managers.base import GradientManager
 
@@ -41,6 +48,8 @@ class ShardedManager(GradientManager):
                                           "block_grad_shards") for s in self.layout.block] for _ in range(L)]
         shard_lazy.commit()
         self._free = [self.device.event(name=f"buffer{i}_free") for i in range(len(self._buffers))]
+        self._shard_containers = [self._container(ts) for ts in self._shards]
+        self._inline = self.world == 1 and not self.offload  # see the module's docstring
         self._bind()
 
     def _bind(self) -> None:
@@ -56,21 +65,34 @@ class ShardedManager(GradientManager):
         return [*super()._events(), *self._free]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
-        """Buffer ``layer % 2`` for layer ``layer``'s gradients; always overwrite (``False``),
-        except ``zero_init`` tensors, which are zeroed on ``stream`` and added into. ``stream``
-        waits until the buffer's previous exchange is done."""
+        """Buffer ``layer % 2`` for layer ``layer``'s gradients (inline, on micro-step 0: the
+        layer's shards); always overwrite (``False``), except ``zero_init`` tensors, which are
+        zeroed on ``stream`` and added into. ``stream`` waits until the buffer's previous
+        exchange is done."""
         self._check_fetch(layer)
+        if self._inline and self._protocol.micro == 0:
+            self._zero_init(self._shards[layer], stream)
+            return self._shard_containers[layer], False
         buf = self._buffers[layer % 2]
-        self._wait(self._free[layer % 2], stream)
+        if not self._inline:
+            self._wait(self._free[layer % 2], stream)
         self._zero_init(buf, stream)
         return self._containers[layer % 2], False
 
-    def _exchange_block(self, layer: int) -> None:
-        s, first = self.comm_stream, self._protocol.micro == 0
+    def _exchange_block(self, layer: int, stream: StreamLike) -> None:
+        if self._inline:  # world 1: the gradient is the mean; micro-step 0 wrote the shards
+            if self._protocol.micro > 0 and self._acc:
+                self._acc[layer](stream_handle(stream))
+            return
+        self._join(stream)
+        self._exchange(layer)
+        self._record(self._free[layer % 2], self.comm_stream)
+
+    def _exchange(self, layer: int) -> None:
+        """The strategy: queue layer ``layer``'s exchange and accumulation on the communication stream."""
         if self.world > 1:  # the mean over one rank is the gradient itself
             self.reduce_scatter_all(self._buffers[layer % 2])
-        self._add_own(layer, first)
-        self._record(self._free[layer % 2], s)
+        self._add_own(layer, self._protocol.micro == 0)
 
     def _add_own(self, layer: int, first: bool) -> None:
         """Shard += own slice (phase-0 noise); a copy on micro-step 0 (by the GPU's cores: no copy
@@ -89,7 +111,7 @@ class ShardedManager(GradientManager):
         self._check_readable(f"block_shard({layer})")
         self._protocol.check_layer(layer)
         self._wait(self._comm_done, stream)
-        return self._container(self._shards[layer])
+        return self._shard_containers[layer]
 
     def _block_shards(self) -> list[Tensor]:
         return [t for ts in self._shards for t in ts]
@@ -109,12 +131,10 @@ class AllToAllManager(ShardedManager):
                       for i, (sh, full, off) in enumerate(zip(self._shards[l], self._buffers[l % 2], offsets))]
                      for l in range(self.layout.num_layers)] if W > 1 else []
 
-    def _exchange_block(self, layer: int) -> None:
-        s = self.comm_stream
+    def _exchange(self, layer: int) -> None:
         self._add_own(layer, self._protocol.micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)
-            self.comm.all_to_all_many(self._buffers[layer % 2], stream=s)  # the layer's buffers in W-1 steps
+            self.comm.all_to_all_many(self._buffers[layer % 2], stream=self.comm_stream)  # in W-1 steps
             for red in self._red[layer]:
                 red[last](h)
-        self._record(self._free[layer % 2], s)

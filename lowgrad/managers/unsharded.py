@@ -32,10 +32,10 @@ class UnshardedManager(GradientManager):
             self._zero_init(tensors, stream)
         return self._containers[layer], self._protocol.micro > 0
 
-    def _exchange_block(self, layer: int) -> None:
-        if self.last_micro_step:
-            if self.world > 1:  # world 1: the mean is the gradient
-                self.reduce_scatter_all(self._full[layer])
+    def _exchange_block(self, layer: int, stream: StreamLike) -> None:
+        if self.last_micro_step and self.world > 1:  # world 1: the mean is the gradient
+            self._join(stream)
+            self.reduce_scatter_all(self._full[layer])
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``.
