@@ -114,6 +114,55 @@ def test_single_micro_step_world1_is_exact() -> None:
             assert np.array_equal(got[key], want), (strategy, key)
 
 
+def hands_out_shards(comm: Any, strategy: str, offload: bool) -> list[bool]:
+    """Per micro-step of a 2-micro-step step: whether every ``block_full`` handed out this
+    rank's shards themselves (rather than the staging buffers)."""
+    layout = small_layout()
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload)
+    stream = comm.device.stream()
+    shard_ptrs = {t.ptr for t in gm.shards()}
+    out = []
+    for m in range(2):
+        gm.start_micro_step(stream, m, 2)
+        own = []
+        for layer in reversed(range(layout.num_layers)):
+            dw, acc = gm.block_full(layer, stream)
+            assert acc is False
+            own.append(all(t.ptr in shard_ptrs for t in dw.tensors()))
+            gm.notify_block(layer, stream)
+        gm.end_micro_step(stream)
+        assert len(set(own)) == 1, own
+        out.append(own[0])
+    gm.close()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["scatter_reduce", "all_to_all"])
+def test_world1_micro_step_zero_writes_straight_into_the_shards(strategy: str) -> None:
+    """At world 1 with device shards the engine's micro-step-0 gradients go straight into the
+    shards (no copy); later micro-steps, offloaded shards and world > 1 use the staging buffers."""
+    assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, False)) == [[True, False]]
+    assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, True)) == [[False, False]]
+    assert lg.run_threads(2, lambda c: hands_out_shards(c, strategy, False)) == [[False, False]] * 2
+
+
+@pytest.mark.parametrize("strategy", ["scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("rounding", ["sr", "ldsr", "rn"])
+def test_world1_inline_accumulation_equals_the_communication_stream_path(strategy: str, rounding: str) -> None:
+    """World 1, device shards: the manager works inline (on the engine's stream); offloaded shards
+    go through the communication stream. The two give the same bits, over several steps."""
+    layout = small_layout(zero_init=True)
+
+    def run(comm: Any, offload: bool) -> dict[str, np.ndarray]:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, rounding=rounding, seed=5)
+        return drive(comm, layout, strategy, offload, 3, steps=2, gm=gm)
+    (inline,) = lg.run_threads(1, lambda c: run(c, False))
+    (exchanged,) = lg.run_threads(1, lambda c: run(c, True))
+    assert inline.keys() == exchanged.keys()
+    for key in inline:
+        assert np.array_equal(inline[key], exchanged[key]), key
+
+
 @pytest.mark.parametrize("rounding", ["sr", "ldsr"])
 def test_sr_accumulation_is_unbiased_and_fresh_every_micro_step(rounding: str) -> None:
     """1.0 on micro-step 0, then a constant of 0.164 ulp for 63 micro-steps (the sum stays in

@@ -2,7 +2,8 @@
 
 A synthetic engine hands each layer's gradients to the manager exactly as a real one would (one
 device-to-device copy per layer from a random bf16 pool, so the data is never zeros); the
-manager does its exchange and SR accumulation on its own stream. For each strategy (world 1 on
+manager does its exchange and SR accumulation on its own stream (at world 1 with device shards:
+on the engine's stream, docs/protocol.md). For each strategy (world 1 on
 one GPU, or the host backend with --backend host) it reports the median micro-step time (CUDA
 events on the engine stream, micro-steps after the first), the host time to issue a micro-step,
 the bytes the engine and manager must move, and the ratio floor/time where the floor is those
