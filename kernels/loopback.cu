@@ -11,7 +11,7 @@
 // A sync gives up when the host requests an abort, a peer left, or timeout_ns pass (0: never);
 // it then records the error in status and in the device flag, and every later loopback kernel does
 // nothing.
-#include "philox.cuh"
+#include "copy.cuh"
 
 // status words: the abort request (host), the error (first one wins), who waited, for whom,
 // then one word per rank set when it left (LB_LEFT + rank, up to LB_MAX_WORLD ranks)
@@ -165,14 +165,5 @@ struct LoopbackCopy {  // passed by value
 // A copy from a peer's published buffer (16-byte stores when both ends allow it).
 extern "C" __global__ void __launch_bounds__(256) loopback_copy(const __grid_constant__ LoopbackCopy c) {
   if (flagged(c.flag)) return;
-  const u8* src = (const u8*)((const u64*)c.table)[c.entry] + c.src_offset;
-  u8* dst = (u8*)c.dst;
-  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, stride = (u64)gridDim.x * blockDim.x;
-  if ((((u64)src | (u64)dst) & 15u) == 0) {
-    const u64 nvec = c.nbytes >> 4;
-    for (u64 i = tid; i < nvec; i += stride) ((uint4*)dst)[i] = ((const uint4*)src)[i];
-    for (u64 j = (nvec << 4) + tid; j < c.nbytes; j += stride) dst[j] = src[j];
-  } else {
-    for (u64 j = tid; j < c.nbytes; j += stride) dst[j] = src[j];
-  }
+  copy_bytes((u8*)c.dst, (const u8*)((const u64*)c.table)[c.entry] + c.src_offset, c.nbytes);
 }
