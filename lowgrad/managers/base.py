@@ -21,7 +21,8 @@ ordered by events; none blocks the host.
 
 Seeds: the SR kernels read the manager's :class:`~lowgrad.sr.seedcounter.SeedCounter` (device
 memory) when they run; ``start_micro_step`` and the last ``end_micro_step`` queue its advance on
-the communication stream. Micro-steps may be captured in a :class:`lowgrad.Graph`: inside a
+the communication stream (``start_micro_step``'s on the engine's stream for a manager that works
+inline, whose SR kernels run there). Micro-steps may be captured in a :class:`lowgrad.Graph`: inside a
 capture the manager records a template and leaves its state alone; each replay checks the
 template against the next micro-step and advances the state (:mod:`lowgrad.managers.replay`).
 """
@@ -116,7 +117,8 @@ class GradientManager(NonBlockGradients, ABC):
     # ---- protocol ------------------------------------------------------------------------
     def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
         """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step; queues the
-        seed counter's advance on the communication stream after ``stream``'s work so far. Inside
+        seed counter's advance on the communication stream after ``stream``'s work so far (inline
+        managers: on ``stream``). Inside
         a :class:`lowgrad.Graph` capture of ``stream`` it begins a template instead (see
         :mod:`lowgrad.cuda.graph`): any micro-step may be captured, and host state is left as it was.
 
