@@ -391,9 +391,9 @@ def attach(model: torch.nn.Module, comm: Any, blocks: str | None = None, overlap
            **manager_args: Any) -> Attached:
     """Attach a gradient manager to ``model`` for rank ``comm.rank``: the layout derived from the
     module (:func:`module_layout`), ``manager_args`` as for :func:`lowgrad.create_gradient_manager`
-    (``strategy``, ``offload``, ``dtype``, ``seed``, ``step``). The model's parameters must live
-    where ``comm.device`` can read them through DLPack (a CUDA device: the same GPU; the host
-    backend: the CPU) and have the manager's gradient dtype (bf16 by default).
+    (``strategy``, ``offload``, ``dtype``, ``seed``, ``step``, ``rounding``, ``inline``). The
+    model's parameters must live where ``comm.device`` can read them through DLPack (a CUDA device:
+    the same GPU; the host backend: the CPU) and have the manager's gradient dtype (bf16 by default).
 
     ``overlap=False`` leaves each gradient in ``p.grad`` until the end of the micro-step and
     delivers them all there (no overlap with backward, one full set of gradients at a time, as

@@ -114,11 +114,11 @@ def test_single_micro_step_world1_is_exact() -> None:
             assert np.array_equal(got[key], want), (strategy, key)
 
 
-def hands_out_shards(comm: Any, strategy: str, offload: bool) -> list[bool]:
+def hands_out_shards(comm: Any, strategy: str, offload: bool, inline: bool | None = None) -> list[bool]:
     """Per micro-step of a 2-micro-step step: whether every ``block_full`` handed out this
     rank's shards themselves (rather than the staging buffers)."""
     layout = small_layout()
-    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload)
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, inline=inline)
     stream = comm.device.stream()
     shard_ptrs = {t.ptr for t in gm.shards()}
     out = []
@@ -142,25 +142,51 @@ def test_world1_micro_step_zero_writes_straight_into_the_shards(strategy: str) -
     """At world 1 with device shards the engine's micro-step-0 gradients go straight into the
     shards (no copy); later micro-steps, offloaded shards and world > 1 use the staging buffers."""
     assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, False)) == [[True, False]]
+    assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, False, True)) == [[True, False]]
+    assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, False, False)) == [[False, False]]
     assert lg.run_threads(1, lambda c: hands_out_shards(c, strategy, True)) == [[False, False]]
     assert lg.run_threads(2, lambda c: hands_out_shards(c, strategy, False)) == [[False, False]] * 2
+
+
+def test_inline_is_checked_before_anything_is_allocated() -> None:
+    layout = small_layout()
+
+    def create(comm: Any, **kw: Any) -> None:
+        before = comm.device.memory_report().as_dict()
+        with pytest.raises((TypeError, ValueError)) as exc:
+            lg.create_gradient_manager(layout, comm, **kw)
+        assert comm.device.memory_report().as_dict() == before
+        raise exc.value
+    cases = [(1, dict(strategy="scatter_reduce", inline="yes"), TypeError, "bool or None"),
+             (1, dict(strategy="all_to_all", inline=1), TypeError, "bool or None"),
+             (1, dict(strategy="unsharded", inline=True), ValueError, "accumulates nothing"),
+             (1, dict(strategy="scatter_reduce", offload=True, inline=True), ValueError, "offloaded"),
+             (2, dict(strategy="scatter_reduce", inline=True), ValueError, "world is 2")]
+    for world, kw, err, words in cases:
+        with pytest.raises(err, match=words):
+            lg.run_threads(world, lambda c: create(c, **kw))
+    for kw in (dict(strategy="unsharded", inline=False), dict(strategy="scatter_reduce", offload=True, inline=False)):
+        lg.run_threads(1, lambda c: lg.create_gradient_manager(layout, c, **kw).close())
 
 
 @pytest.mark.parametrize("strategy", ["scatter_reduce", "all_to_all"])
 @pytest.mark.parametrize("rounding", ["sr", "ldsr", "rn"])
 def test_world1_inline_accumulation_equals_the_communication_stream_path(strategy: str, rounding: str) -> None:
-    """World 1, device shards: the manager works inline (on the engine's stream); offloaded shards
-    go through the communication stream. The two give the same bits, over several steps."""
+    """World 1, device shards: the manager works inline (on the engine's stream) unless told not
+    to; offloaded shards go through the communication stream. All give the same bits, over
+    several steps."""
     layout = small_layout(zero_init=True)
 
-    def run(comm: Any, offload: bool) -> dict[str, np.ndarray]:
-        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, rounding=rounding, seed=5)
+    def run(comm: Any, offload: bool, inline: bool | None) -> dict[str, np.ndarray]:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, rounding=rounding, seed=5,
+                                        inline=inline)
         return drive(comm, layout, strategy, offload, 3, steps=2, gm=gm)
-    (inline,) = lg.run_threads(1, lambda c: run(c, False))
-    (exchanged,) = lg.run_threads(1, lambda c: run(c, True))
-    assert inline.keys() == exchanged.keys()
-    for key in inline:
-        assert np.array_equal(inline[key], exchanged[key]), key
+    (inline,) = lg.run_threads(1, lambda c: run(c, False, None))
+    for offload, flag in ((True, None), (False, False)):
+        (other,) = lg.run_threads(1, lambda c: run(c, offload, flag))
+        assert inline.keys() == other.keys()
+        for key in inline:
+            assert np.array_equal(inline[key], other[key]), (offload, flag, key)
 
 
 @pytest.mark.parametrize("rounding", ["sr", "ldsr"])

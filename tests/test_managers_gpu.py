@@ -38,6 +38,24 @@ def test_cuda_shards_equal_host_bit_for_bit(strategy: str, offload: bool, micro:
         assert np.array_equal(dev[key], host[key]), (strategy, offload, key)
 
 
+@pytest.mark.parametrize("strategy", ["scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("inline", [True, False])
+def test_cuda_inline_and_communication_stream_paths_equal_host(strategy: str, inline: bool) -> None:
+    """World 1, device shards: accumulating on the engine's stream (the default there) and on the
+    communication stream give the host backend's bits."""
+    layout = small_layout(zero_init=True)
+
+    def run(comm: Any) -> dict[str, np.ndarray]:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, inline=inline, seed=3)
+        assert gm.inline is inline
+        return drive(comm, layout, strategy, False, 3, steps=2, gm=gm)
+    (dev,) = lg.run_threads(1, run, backend="cuda")
+    (host,) = lg.run_threads(1, run, backend="host")
+    assert dev.keys() == host.keys()
+    for key in dev:
+        assert np.array_equal(dev[key], host[key]), (strategy, inline, key)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_cuda_memory_report_matches_formula(offload: bool) -> None:
     layout = lg.llama_layout("tiny")

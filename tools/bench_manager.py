@@ -38,14 +38,23 @@ from lowgrad.core.dtypes import byte
 from lowgrad.core.memory import align_up
 from lowgrad.core.tensor import span
 
-RUNS = (("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
-        ("all_to_all", True))
+# (strategy, offload, inline): None is the manager's default (inline at world 1 with device shards)
+RUNS = (("unsharded", False, None), ("scatter_reduce", False, None), ("scatter_reduce", False, False),
+        ("all_to_all", False, None), ("all_to_all", False, False), ("scatter_reduce", True, None),
+        ("all_to_all", True, None))
+
+
+def run_label(strategy: str, offload: bool, inline: bool | None) -> str:
+    """``scatter_reduce``, ``scatter_reduce+offload``, ``scatter_reduce+comm_stream`` (inline=False)."""
+    return strategy + ("+offload" if offload else "") + ("+comm_stream" if inline is False else "")
 
 
 def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
-          bw: dict[str, float], engine_writes: bool = True, shared: bool = False) -> dict[str, Any]:
+          bw: dict[str, float], engine_writes: bool = True, shared: bool = False,
+          inline: bool | None = None) -> dict[str, Any]:
     dev, world = comm.device, comm.world
-    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1)
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1, inline=inline)
+    on_engine_stream = gm.inline
     stream = dev.stream()
     layer_bytes = max(sum(align_up(2 * s.numel) for s in layout.block),
                       max((2 * s.numel for s in layout.non_block), default=0))
@@ -99,7 +108,8 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     rep = gm.memory_report().as_dict()
     gm.close()
     pool.close()
-    return {"strategy": strategy, "offload": offload, "world": world, "engine_writes": engine_writes,
+    return {"label": run_label(strategy, offload, inline), "strategy": strategy, "offload": offload,
+            "inline": on_engine_stream, "world": world, "engine_writes": engine_writes,
             "micro_ms": steady,
             "micro_ms_all": last, "host_ms_per_micro": statistics.median(host_ms[-1:]),
             "bytes_per_micro": engine + shard_traffic, "floor_ms": floor_s * 1e3, "ratio": floor_s * 1e3 / steady,
@@ -113,7 +123,8 @@ def main() -> int:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--micro-steps", type=int, default=6)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--strategies", default="all", help="comma list of strategy[+offload], or all")
+    p.add_argument("--strategies", default="all",
+                   help="comma list of strategy[+offload|+comm_stream], or all")
     p.add_argument("--share-gpu", action="store_true",
                    help="all ranks on one GPU through the loopback communicator (floor: all ranks' bytes)")
     p.add_argument("--manager-only", action="store_true",
@@ -130,26 +141,30 @@ def main() -> int:
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")
     wanted = None if args.strategies == "all" else set(args.strategies.split(","))
     results = []
-    for strategy, offload in RUNS:
-        label = strategy + ("+offload" if offload else "")
+    for strategy, offload, inline in RUNS:
+        label = run_label(strategy, offload, inline)
         if wanted is not None and label not in wanted:
             continue
+        if inline is False and (args.world > 1 or strategy == "unsharded"):
+            continue  # the same run as the default there
         try:
             out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
-                                                              args.steps, bw, not args.manager_only, args.share_gpu),
+                                                              args.steps, bw, not args.manager_only, args.share_gpu,
+                                                              inline),
                                  backend=args.backend, share_gpu=args.share_gpu, timeout=args.timeout)
             results.append(out[0])
         except Exception as exc:  # report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")
-    print(f"{'strategy':<24}{'ms/micro':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'GB/micro':>10}"
+    print(f"{'strategy':<28}{'ms/micro':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'GB/micro':>10}"
           f"{'device MiB':>12}{'pinned MiB':>12}")
     for r in results:
-        label = r["strategy"] + ("+offload" if r["offload"] else "")
+        label = r["label"]
         dev_mib = sum(r["memory"].get("device", {}).values()) / 2**20
         pin_mib = sum(r["memory"].get("pinned", {}).values()) / 2**20
-        print(f"{label:<24}{r['micro_ms']:>10.3f}{r['floor_ms']:>10.3f}{r['ratio']:>8.3f}"
+        print(f"{label:<28}{r['micro_ms']:>10.3f}{r['floor_ms']:>10.3f}{r['ratio']:>8.3f}"
               f"{r['host_ms_per_micro']:>9.3f}{r['bytes_per_micro'] / 1e9:>10.2f}{dev_mib:>12.0f}{pin_mib:>12.0f}")
-    print("target: scatter_reduce at world 1 >= 0.90 of the floor")
+    print("target: scatter_reduce at world 1 >= 0.90 of the floor; +comm_stream: inline=False (the accumulation "
+          "beside the engine's copies instead of after them)")
     with open(args.json, "w") as f:
         json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw, "results": results,
                    "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)

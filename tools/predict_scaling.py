@@ -29,9 +29,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_manager import RUNS  # the strategies the manager bench runs, in its order
+from bench_manager import RUNS as BENCH_RUNS
 
 import lowgrad as lg
+
+# the strategies the manager bench runs, in its order, on the managers' default streams
+RUNS = tuple((st, off) for st, off, inline in BENCH_RUNS if inline is None)
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RUN9 = os.path.join(REPO, "benchmarks", "2026-12-03-h200-run9")

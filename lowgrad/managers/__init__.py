@@ -19,7 +19,7 @@ STRATEGIES: dict[str, type[GradientManager]] = {
 
 def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
                             dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                            rounding: str | None = None) -> GradientManager:
+                            rounding: str | None = None, inline: bool | None = None) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
     ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
@@ -29,12 +29,20 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     "ldsr" (low-discrepancy SR, the default), "sr" (stochastic rounding, fresh noise each
     micro-step) or "rn" (round to nearest even). The unsharded strategy rounds nothing itself (the
     engine adds into the full gradients) and takes no ``rounding``.
+
+    ``inline`` (sharded strategies at world 1 with device shards): where there is nothing to
+    exchange, accumulate on the engine's stream (micro-step 0 written straight into the shards,
+    later SR adds queued at ``notify_block`` on the engine's stream) rather than on the
+    communication stream beside the engine's work. None (the default) means True where possible;
+    True elsewhere is a ValueError. Same bits either way; inline won when the engine's work is
+    compute-bound (a transformer's backward), the communication stream when it is a stream of
+    memory-bound kernels (docs/protocol.md).
     """
     try:
         cls = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}") from None
-    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding)
+    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding, inline=inline)
 
 
 __all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "UnshardedManager", "ShardedManager",

@@ -22,9 +22,9 @@ ordered by events; none blocks the host.
 Seeds: the SR kernels read the manager's :class:`~lowgrad.sr.seedcounter.SeedCounter` (device
 memory) when they run; ``start_micro_step`` and the last ``end_micro_step`` queue its advance on
 the communication stream (``start_micro_step``'s on the engine's stream for a manager that works
-inline, whose SR kernels run there). Micro-steps may be captured in a :class:`lowgrad.Graph`: inside a
-capture the manager records a template and leaves its state alone; each replay checks the
-template against the next micro-step and advances the state (:mod:`lowgrad.managers.replay`).
+inline, whose SR kernels run there). Micro-steps may be captured in a :class:`lowgrad.Graph`:
+inside a capture the manager records a template and leaves its state alone; each replay checks
+the template against the next micro-step and advances the state (:mod:`lowgrad.managers.replay`).
 """
 from __future__ import annotations
 
@@ -63,12 +63,8 @@ class GradientManager(NonBlockGradients, ABC):
     #: the rounding of a manager created without one (None: the manager rounds nothing itself)
     default_rounding: str | None = DEFAULT_ROUNDING
 
-    #: the block accumulation runs on the engine's stream, not the communication stream (set by
-    #: managers with nothing to exchange: see :class:`lowgrad.managers.sharded.ShardedManager`)
-    _inline = False
-
     def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                 offload: bool = False, rounding: str | None = None) -> None:
+                 offload: bool = False, rounding: str | None = None, inline: bool | None = None) -> None:
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
         self.dtype = as_dtype(dtype)
@@ -89,6 +85,8 @@ class GradientManager(NonBlockGradients, ABC):
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
+        #: the block accumulation runs on the engine's stream, not the communication stream
+        self._inline = self._check_inline(inline)
         self.base_seed, self.step = seed, step
         self.comm_stream = self.device.stream(priority=self.device_priority_high())
         self._comm_handle = stream_handle(self.comm_stream)
@@ -105,6 +103,19 @@ class GradientManager(NonBlockGradients, ABC):
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
 
+    def _check_inline(self, inline: Any) -> bool:
+        """``inline`` checked: where possible (a manager that accumulates, world 1, device shards)
+        None means True; elsewhere only None and False are accepted."""
+        if inline is not None and not isinstance(inline, bool):
+            raise TypeError(f"inline must be a bool or None, got {type(inline).__name__} {inline!r}")
+        possible = self.default_rounding is not None and self.world == 1 and not self.offload
+        if inline and not possible:
+            why = ("the unsharded manager accumulates nothing itself" if self.default_rounding is None
+                   else f"world is {self.world}: the accumulation follows the exchange" if self.world > 1
+                   else "offloaded shards are accumulated over PCIe, beside the engine's work")
+            raise ValueError(f"inline=True needs a sharded strategy at world 1 with device shards: {why}")
+        return possible if inline is None else inline
+
     def device_priority_high(self) -> int:
         """The device's most urgent stream priority (numerically lowest)."""
         return min(self.device.stream_priority_range)
@@ -118,9 +129,9 @@ class GradientManager(NonBlockGradients, ABC):
     def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
         """Begin micro-step ``micro_step`` of ``total_micro_steps`` of the current step; queues the
         seed counter's advance on the communication stream after ``stream``'s work so far (inline
-        managers: on ``stream``). Inside
-        a :class:`lowgrad.Graph` capture of ``stream`` it begins a template instead (see
-        :mod:`lowgrad.cuda.graph`): any micro-step may be captured, and host state is left as it was.
+        managers: on ``stream``). Inside a :class:`lowgrad.Graph` capture of ``stream`` it begins a
+        template instead (see :mod:`lowgrad.cuda.graph`): any micro-step may be captured, and host
+        state is left as it was.
 
         Non-integer (bool, float) ``micro_step``/``total_micro_steps`` raise TypeError; starting
         a step when ``step`` is the last value of the 32-bit step counter raises OverflowError."""
@@ -148,6 +159,12 @@ class GradientManager(NonBlockGradients, ABC):
         return [self._comm_done, self._nb_done]
 
     @property
+    def inline(self) -> bool:
+        """Whether the block accumulation runs on the engine's stream (see ``inline`` of
+        :func:`lowgrad.create_gradient_manager`) rather than on the communication stream."""
+        return self._inline
+
+    @property
     def last_micro_step(self) -> bool:
         """The micro-step in progress (or the last one started) is its step's last."""
         return self._protocol.last
@@ -168,8 +185,8 @@ class GradientManager(NonBlockGradients, ABC):
     def notify_block(self, layer: int, stream: StreamLike) -> None:
         """The engine finished writing layer ``layer``'s gradients on ``stream``: queue the
         exchange and accumulation on the manager's communication stream (after ``stream``'s work
-        so far), or, where there is nothing to exchange (a sharded manager at world 1 on the
-        device), the accumulation on ``stream`` itself."""
+        so far), or, for a manager working :attr:`inline` (nothing to exchange), the accumulation
+        on ``stream`` itself."""
         self._check_open(f"notify_block({layer})")
         self._protocol.notify(layer)
         with nvtx_range(self._range_names[layer]):

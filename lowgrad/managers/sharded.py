@@ -15,11 +15,13 @@ Exchange strategies, on the manager's communication stream after the engine's ``
 The buffer of layer ``l`` is handed out again (to layer ``l - 2``) only after that exchange and
 accumulation finished: the engine's stream waits on an event, never the host.
 
-At world 1 on the device there is nothing to exchange, and the manager works *inline*: on
-micro-step 0 the engine writes straight into the shards (no copy), after it the SR accumulation
-runs on the engine's stream at ``notify_block``. Measured on an H200 (0.5B model, BENCHMARKS.md
-runs 19–26): beside backward on the communication stream the accumulation slowed the step by
-about 3× its own kernel time; on the engine's stream it costs its kernel time. With offload the
+At world 1 with device shards there is nothing to exchange, and the manager works *inline*
+(unless created with ``inline=False``): on micro-step 0 the engine writes straight into the
+shards (no copy), after it the SR accumulation runs on the engine's stream at ``notify_block``.
+Measured on an H200 (BENCHMARKS.md runs 19–29): beside a 0.5B model's backward on the
+communication stream the accumulation slowed the step by about 3× its own kernel time, and
+inline it costs its kernel time; beside an engine of memory-bound copies (tools/bench_manager.py)
+the communication stream is the faster one, by the kernel tails it overlaps. With offload the
 accumulation crosses PCIe and stays on the communication stream.
 """
 from __future__ import annotations
@@ -49,7 +51,6 @@ class ShardedManager(GradientManager):
         shard_lazy.commit()
         self._free = [self.device.event(name=f"buffer{i}_free") for i in range(len(self._buffers))]
         self._shard_containers = [self._container(ts) for ts in self._shards]
-        self._inline = self.world == 1 and not self.offload  # see the module's docstring
         self._bind()
 
     def _bind(self) -> None:
