@@ -18,7 +18,7 @@ accumulation finished: the engine's stream waits on an event, never the host.
 At world 1 with device shards there is nothing to exchange, and the manager works *inline*
 (unless created with ``inline=False``): on micro-step 0 the engine writes straight into the
 shards (no copy), after it the SR accumulation runs on the engine's stream at ``notify_block``.
-Measured on an H200 (BENCHMARKS.md runs 19–29): beside a 0.5B model's backward on the
+Measured on an H200 (BENCHMARKS.md runs 19–30): beside a 0.5B model's backward on the
 communication stream the accumulation slowed the step by about 3× its own kernel time, and
 inline it costs its kernel time; beside an engine of memory-bound copies (tools/bench_manager.py)
 the communication stream is the faster one, by the kernel tails it overlaps. With offload the
