@@ -9,7 +9,19 @@ from pathlib import Path
 import pytest
 
 from lowgrad.cuda import cache as kcache
-from lowgrad.cuda import compiler
+from lowgrad.cuda import compiler, nccl
+
+
+def nccl_loadable() -> bool:
+    """Whether the NCCL library loads here (its version and unique-id calls need no GPU)."""
+    try:
+        nccl.lib()
+    except nccl.NcclLibraryError:
+        return False
+    return True
+
+
+needs_nccl = pytest.mark.skipif(not nccl_loadable(), reason="no NCCL library installed")
 
 
 class Records(logging.Handler):

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
+from helpers import needs_nccl
 
 from lowgrad.cuda import nccl
 
@@ -95,17 +96,6 @@ for env in spec["ranks"]:
 for pid in pids:
     os.waitpid(pid, 0)
 """
-
-
-def _loadable() -> bool:
-    try:
-        nccl.lib()
-    except nccl.NcclLibraryError:
-        return False
-    return True
-
-
-needs_nccl = pytest.mark.skipif(not _loadable(), reason="no NCCL library installed")
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import needs_nccl
 
-nccl = pytest.importorskip("lowgrad.cuda.nccl")
-
-
-def _loadable() -> bool:
-    try:
-        nccl.lib()
-    except nccl.NcclLibraryError:
-        return False
-    return True
-
-
-needs_nccl = pytest.mark.skipif(not _loadable(), reason="no NCCL library installed")
+from lowgrad.cuda import nccl
 
 
 @needs_nccl
