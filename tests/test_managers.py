@@ -129,6 +129,8 @@ def hands_out_shards(comm: Any, strategy: str, offload: bool, inline: bool | Non
             dw, acc = gm.block_full(layer, stream)
             assert acc is False
             own.append(all(t.ptr in shard_ptrs for t in dw.tensors()))
+            for t in dw.tensors():  # the engine's write: the exchange reads it
+                lg.ops.fill_zero(t, stream)
             gm.notify_block(layer, stream)
         gm.end_micro_step(stream)
         assert len(set(own)) == 1, own
