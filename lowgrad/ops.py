@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, fp32, fp64
+from lowgrad.core.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.core.kernels import SeedSource
 from lowgrad.core.limits import U64
 from lowgrad.core.streams import StreamLike, stream_handle
@@ -29,11 +29,12 @@ from lowgrad.sr.checks import (
 from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
-           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_zero", "norm_squared",
+           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_nan", "fill_zero", "norm_squared",
            "reduce_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)
+NAN_DTYPES = (bf16, fp16, fp32, fp64, fp8_e4m3)  # all bytes 0xFF is a NaN in each
 
 
 def _tensor(t: Any, what: str) -> Tensor:
@@ -212,12 +213,24 @@ def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scal
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
     """Set every byte of ``dst`` to zero on ``stream``."""
+    _fill(dst, 0, stream)
+
+
+def fill_nan(dst: Tensor, stream: StreamLike = None) -> None:
+    """Set every element of the floating-point tensor ``dst`` to NaN on ``stream`` (every byte
+    0xFF: a NaN in each of lowgrad's float dtypes, so one byte fill serves them all)."""
+    _tensor(dst, "dst")
+    _dtype_in(dst, "dst", NAN_DTYPES)
+    _fill(dst, 0xFF, stream)
+
+
+def _fill(dst: Tensor, byte: int, stream: StreamLike) -> None:
     h = stream_handle(stream)
     _tensor(dst, "dst")
     _kernel_memory(dst.device, (dst, "dst"))
     dst.ptr  # raises on a closed tensor before anything is queued
     capture.keep_tensors(dst)
-    dst.device.kernels.fill_zero(dst, h)
+    dst.device.kernels.fill(dst, byte, h)
 
 
 def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:

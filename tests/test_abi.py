@@ -21,7 +21,7 @@ OLD_ARGS = {
     "add_sr": (u64, u64, u64, f32, u64, u64, u64),
     "add_sr_multi": (u64,) * (6 * OLD_MULTI_MAX) + (u32,) * (OLD_MULTI_MAX + 1) + (u32, f32, u64, u32),
     "reduce_sr": (u64, u64, u32, i32, f32, i32, u64, u64, u64, u64, u32, u32),
-    "fill_zero_u8": (u64, u64),
+    "fill_u8": (u64, u64, u32),  # was fill_zero_u8 (u64, u64): the byte became an argument
     "norm_squared_finish": (u64, u32, u64, i32),
     "norm_squared": (u64, u64, u64),
     "philox_kat": (u64, u64, u64, u64),

@@ -142,7 +142,7 @@ def test_spec_lookups() -> None:
     assert compiler.reduce_sr_spec(fp32, bf16).symbol == "reduce_sr_f32_bf16"
     s1, s2 = compiler.norm_squared_specs(bf16, fp64)
     assert (s1.symbol, s2.symbol) == ("norm_squared_bf16_f64", "norm_squared_finish_f64")
-    assert compiler.kernel("fill_zero_u8").module == "fill_zero"
+    assert compiler.kernel("fill_u8").module == "fill"
     assert compiler.kernel("philox_kat").module == "philox_kat"
     with pytest.raises(ValueError, match="no kernel"):
         compiler.kernel("add_sr_f16_f16_f16")

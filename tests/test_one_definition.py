@@ -57,7 +57,7 @@ def test_shared_constants_are_assigned_once() -> None:
     assert not bad, "\n".join(bad)
 
 
-CONTRACT = {"add_sr", "reduce_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr", "seed_counter", "fill_zero", "copy",
+CONTRACT = {"add_sr", "reduce_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr", "seed_counter", "fill", "copy",
             "norm_squared"}
 
 

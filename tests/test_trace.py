@@ -88,7 +88,7 @@ def test_logger_level_routes_trace_records_to_user_handlers(routed: Records) -> 
     lines = {(r.trace_kind, r.trace_name, r.threadName) for r in routed.records}  # type: ignore[attr-defined]
     for rank in (0, 1):
         t = f"lowgrad-rank{rank}"
-        assert {("kernel", "add_sr", t), ("kernel", "fill_zero", t), ("collective", "all_reduce", t),
+        assert {("kernel", "add_sr", t), ("kernel", "fill", t), ("collective", "all_reduce", t),
                 ("collective", "reduce_scatter", t), ("collective", "all_gather", t),
                 ("collective", "all_to_all", t)} <= lines
     assert ("collective", "send", "lowgrad-rank0") in lines and ("collective", "recv", "lowgrad-rank1") in lines
@@ -123,7 +123,7 @@ def test_enable_writes_host_kernels_and_collectives_to_a_file(tmp_path: Path) ->
         trace.enable(None)
     assert logging.getLogger("lowgrad").propagate and not trace.ENABLED
     text = out.read_text()
-    for what in ("kernel add_sr dst=tr_a numel=8 dtype=fp32", "kernel fill_zero dst=tr_b",
+    for what in ("kernel add_sr dst=tr_a numel=8 dtype=fp32", "kernel fill dst=tr_b",
                  "collective all_reduce rank=1", "collective reduce_scatter rank=0", "collective all_gather", "collective all_to_all",
                  "collective send rank=0 tensor=tr_a count=8 dtype=fp32 stream=0x0 peer=1", "collective recv rank=1"):
         assert what in text, what
@@ -136,4 +136,4 @@ def test_lowgrad_trace_lines_are_written_once_beside_a_root_handler() -> None:
             "lg.ops.fill_zero(lg.from_numpy(np.ones(4, np.float32), h, name='once'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                          env={"LOWGRAD_TRACE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
-    assert out.stderr.count("kernel fill_zero dst=once") == 1
+    assert out.stderr.count("kernel fill dst=once") == 1

@@ -71,8 +71,8 @@ class Kernels(ABC):
         mode)``, ``NEXT_MICRO`` or ``NEXT_STEP``."""
 
     @abstractmethod
-    def fill_zero(self, dst: Tensor, stream: int) -> None:
-        """Set the ``dst.nbytes`` bytes of ``dst`` to zero on ``stream``."""
+    def fill(self, dst: Tensor, byte: int, stream: int) -> None:
+        """Set each of the ``dst.nbytes`` bytes of ``dst`` to ``byte`` (0-255) on ``stream``."""
 
     @abstractmethod
     def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:

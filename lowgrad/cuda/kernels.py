@@ -126,8 +126,8 @@ class CudaKernels(Kernels):
         self.max_grid = device.sm_count * GRID_PER_SM
         c = constants("add_sr")
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
-        self._fill_zero, self._copy, self._philox, self._seed_counter = (
-            kernel(name) for name in ("fill_zero_u8", "copy_u8", "philox_kat", "seed_counter"))
+        self._fill, self._copy, self._philox, self._seed_counter = (
+            kernel(name) for name in ("fill_u8", "copy_u8", "philox_kat", "seed_counter"))
 
     def kernel(self, spec: KernelSpec) -> Kernel:
         """The cached :class:`Kernel` for ``spec``."""
@@ -265,10 +265,10 @@ class CudaKernels(Kernels):
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         self.kernel(self._seed_counter).launch(1, stream, counter.ptr, op, base, step, mode)
 
-    def fill_zero(self, dst: Tensor, stream: int) -> None:
+    def fill(self, dst: Tensor, byte: int, stream: int) -> None:
         if dst.nbytes:  # a thread stores 16 bytes: GROUP_ELEMS 2-byte elements
-            k = self.kernel(self._fill_zero)
-            k.launch(self.grid(max(1, dst.nbytes // 2), k.block), stream, dst.ptr, dst.nbytes)
+            k = self.kernel(self._fill)
+            k.launch(self.grid(max(1, dst.nbytes // 2), k.block), stream, dst.ptr, dst.nbytes, byte)
 
     def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         if src.nbytes:

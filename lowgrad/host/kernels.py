@@ -73,10 +73,10 @@ class HostKernels(Kernels):
             _trace("seed_counter", counter, stream)
         apply_op(counter.numpy().view(COUNTER_DTYPE)[0:1], op, base, step, mode)
 
-    def fill_zero(self, dst: Tensor, stream: int) -> None:
+    def fill(self, dst: Tensor, byte: int, stream: int) -> None:
         if trace.ENABLED:
-            _trace("fill_zero", dst, stream)
-        dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = 0
+            _trace("fill", dst, stream)
+        dst.allocation.host_bytes()[dst.offset:dst.offset + dst.nbytes] = byte
 
     def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         if trace.ENABLED:

@@ -29,13 +29,13 @@ the template against the next micro-step and advances the state (:mod:`lowgrad.m
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lowgrad import ops
 from lowgrad.core import capture
 from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
-from lowgrad.core.errors import ClosedError
+from lowgrad.core.errors import ClosedError, ProtocolError
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
@@ -135,7 +135,7 @@ class GradientManager(NonBlockGradients, ABC):
 
         Non-integer (bool, float) ``micro_step``/``total_micro_steps`` raise TypeError; starting
         a step when ``step`` is the last value of the 32-bit step counter raises OverflowError."""
-        self._check_open("start_micro_step")
+        self._check_call("start_micro_step", stream)
         micro_step = integer("micro_step", micro_step)
         total_micro_steps = integer("total_micro_steps", total_micro_steps)
         cap = self.device.capture_of(stream)
@@ -173,13 +173,20 @@ class GradientManager(NonBlockGradients, ABC):
         if self._closed:
             raise ClosedError(f"{what}: gradient manager used after close()")
 
-    def _check_in_micro(self, what: str) -> None:
+    def _check_call(self, what: str, stream: StreamLike) -> int:
+        """The checks every call taking a ``stream`` starts with, before it changes anything: the
+        manager is open and ``stream`` is a stream (the same TypeError/ValueError on every
+        backend); its raw handle."""
         self._check_open(what)
+        return stream_handle(stream)
+
+    def _check_in_micro(self, what: str, stream: StreamLike) -> None:
+        self._check_call(what, stream)
         self._protocol.check_in_micro(what)
 
-    def _check_fetch(self, layer: int) -> None:
+    def _check_fetch(self, layer: int, stream: StreamLike) -> None:
         """``block_full(layer)`` may run now (the state machine records the fetch)."""
-        self._check_open(f"block_full({layer})")
+        self._check_call(f"block_full({layer})", stream)
         self._protocol.fetch(layer)
 
     def notify_block(self, layer: int, stream: StreamLike) -> None:
@@ -187,7 +194,7 @@ class GradientManager(NonBlockGradients, ABC):
         exchange and accumulation on the manager's communication stream (after ``stream``'s work
         so far), or, for a manager working :attr:`inline` (nothing to exchange), the accumulation
         on ``stream`` itself."""
-        self._check_open(f"notify_block({layer})")
+        self._check_call(f"notify_block({layer})", stream)
         self._protocol.notify(layer)
         with nvtx_range(self._range_names[layer]):
             self._exchange_block(layer, stream)
@@ -195,6 +202,10 @@ class GradientManager(NonBlockGradients, ABC):
     @abstractmethod
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s gradient buffers for the engine and whether to add into them."""
+
+    @abstractmethod
+    def _full(self, layer: int) -> Container:
+        """The buffers :meth:`block_full` hands out for ``layer`` in the current micro-step."""
 
     @abstractmethod
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
@@ -208,7 +219,7 @@ class GradientManager(NonBlockGradients, ABC):
     def end_micro_step(self, stream: StreamLike) -> None:
         """Close the micro-step; on the last one, reduce-scatter the non-block gradients and
         advance ``step``. ``stream`` waits for all of this micro-step's gradient traffic."""
-        self._check_open("end_micro_step")
+        self._check_call("end_micro_step", stream)
         self._protocol.check_end()
         last = self.last_micro_step
         if last:
@@ -230,20 +241,86 @@ class GradientManager(NonBlockGradients, ABC):
                 for t in tensors:
                     self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
 
+    def discard_step(self, stream: StreamLike, total_micro_steps: int | None = None) -> bool:
+        """Give up the step in progress after a fault in the engine (an exception in its forward
+        or backward, a batch it skips); True, or False where there is nothing to discard.
+
+        The rest of the step's protocol runs from where the engine left it, with NaN written on
+        ``stream`` into every gradient buffer handed out (the one fetched and not notified too):
+        every collective this rank owes its peers is still issued, in order, so peers that ran
+        the step normally are not left waiting. The step ends with every shard of this rank NaN,
+        and NaN in the peers' shards wherever the rest of the step still carried it (every
+        shard, unless the fault came in the last micro-step); so the global gradient norm
+        (:meth:`grad_norm_squared`) is NaN on every rank, and every rank skips the step the same
+        way (as :class:`lowgrad.torch.ShardOptimizer` does). ``step`` advances as for any ended
+        step: its noise is never reused.
+
+        Between steps no step is in progress: with ``total_micro_steps`` a whole step of that
+        many micro-steps is discarded (a fault before micro-step 0 began, at world > 1 where the
+        peers run the step); without it nothing changes and the last completed step stays
+        readable. Where the rest of the step fails too (an aborted communicator), the manager is
+        left between steps with no readable shards, and the error propagates. Not inside a graph
+        capture (CaptureError)."""
+        self._check_call("discard_step", stream)
+        total = None if total_micro_steps is None else integer("total_micro_steps", total_micro_steps)
+        capture.forbid("discard_step")
+        state = self._protocol
+        idle = not state.in_micro and state.micro < 0
+        if total is not None:
+            if total < 1:
+                raise ValueError(f"discard_step: total_micro_steps must be positive, got {total}")
+            if not idle and total != state.total:
+                raise ProtocolError(f"discard_step(total_micro_steps={total}) during a step of {state.total}")
+        if idle and total is None:
+            return False
+        if idle:
+            check_step_room(f"discard_step of step {self.step}", self.step + 1)
+            state.total = total
+        try:
+            while True:
+                if not state.in_micro:
+                    self.start_micro_step(stream, state.next_micro, state.total)
+                for name in sorted(state.nb_open):
+                    self._poison([self._nb(name)], stream)
+                    self.notify_non_block(name, stream)
+                if state.last:  # the non-block gradients are reduced at the last micro-step only
+                    for name in self._nb_full:
+                        self._poison([self.non_block_full(name, stream)[0]], stream)
+                        self.notify_non_block(name, stream)
+                if state.fetched is not None:
+                    self._poison(self._full(state.fetched).tensors(), stream)
+                    self.notify_block(state.fetched, stream)
+                for layer in range(state.next_layer, -1, -1):
+                    self._poison(self.block_full(layer, stream)[0].tensors(), stream)
+                    self.notify_block(layer, stream)
+                last = state.last
+                self.end_micro_step(stream)
+                if last:  # the layers exchanged before the fault: this rank's part of the norm
+                    self._poison(self.shards(), stream)
+                    return True
+        except BaseException:
+            self._protocol = MicroStepState(self.layout.num_layers)
+            raise
+
+    @staticmethod
+    def _poison(tensors: Iterable[Tensor], stream: StreamLike) -> None:
+        for t in tensors:
+            ops.fill_nan(t, stream)
+
     def _check_between_steps(self, what: str) -> None:
         self._check_open(what)
         self._protocol.check_between_steps(what, self.step)
 
-    def _check_readable(self, what: str) -> None:
+    def _check_readable(self, what: str, stream: StreamLike = None) -> None:
         """Shards and the norm hold a completed step (:meth:`MicroStepState.check_readable`)."""
-        self._check_open(what)
+        self._check_call(what, stream)
         self._protocol.check_readable(what, self.step)
 
     # ---- containers ----------------------------------------------------------------------
     def _container(self, tensors: list[Tensor]) -> Container:
         return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
 
-    def _zero_init(self, tensors: list[Tensor], stream: StreamLike) -> None:
+    def _zero_init(self, tensors: Iterable[Tensor], stream: StreamLike) -> None:
         for s, t in zip(self.layout.block, tensors):
             if s.zero_init:
                 ops.fill_zero(t, stream)
@@ -271,7 +348,7 @@ class GradientManager(NonBlockGradients, ABC):
         in a graph). Read it as a Python float with ``float(norm)`` (a host sync). The manager
         reuses the tensor: the next call overwrites it. Valid between steps, after a completed
         step (ProtocolError otherwise); a collective: every rank calls it."""
-        self._check_readable("grad_norm_squared")
+        self._check_readable("grad_norm_squared", stream)
         self._wait(self._comm_done, stream)
         for i, t in enumerate(self.shards()):
             ops.norm_squared(t, self._norm, accumulate=i > 0, stream=stream)

@@ -27,10 +27,10 @@ class NonBlockGradients(Replayable):
     _nb_done: Any  # recorded on the communication stream after the non-block reduce-scatter
 
     @abstractmethod
-    def _check_in_micro(self, what: str) -> None: ...
+    def _check_in_micro(self, what: str, stream: StreamLike) -> None: ...
 
     @abstractmethod
-    def _check_readable(self, what: str) -> None: ...
+    def _check_readable(self, what: str, stream: StreamLike = None) -> None: ...
 
     @abstractmethod
     def _join(self, stream: StreamLike) -> None: ...
@@ -53,7 +53,7 @@ class NonBlockGradients(Replayable):
         ``zero_init`` parameters are zeroed on ``stream`` at their first fetch of a step and are
         always added into. Fetching again within a step returns ``accumulate=True``.
         """
-        self._check_in_micro(f"non_block_full({name!r})")
+        self._check_in_micro(f"non_block_full({name!r})", stream)
         t = self._nb(name)
         rec = self._recording
         first = self._protocol.fetch_non_block(name, rec is not None and rec.template.assume_touched)
@@ -65,7 +65,7 @@ class NonBlockGradients(Replayable):
 
     def notify_non_block(self, name: str, stream: StreamLike) -> None:
         """The engine finished writing non-block gradient ``name`` on ``stream``."""
-        self._check_in_micro(f"notify_non_block({name!r})")
+        self._check_in_micro(f"notify_non_block({name!r})", stream)
         self._nb(name)
         self._protocol.notify_non_block(name)
 
@@ -86,7 +86,7 @@ class NonBlockGradients(Replayable):
         """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on
         ``stream`` (which waits for the reduce-scatter). Valid between steps, after a completed
         step (ProtocolError otherwise); zeros where no rank produced it in the step."""
-        self._check_readable(f"non_block_shard({name!r})")
+        self._check_readable(f"non_block_shard({name!r})", stream)
         t = self._nb(name)
         self._wait(self._nb_done, stream)
         return shard_view(t, self.rank, self.world)

@@ -70,15 +70,17 @@ class ShardedManager(GradientManager):
         layer's shards); always overwrite (``False``), except ``zero_init`` tensors, which are
         zeroed on ``stream`` and added into. ``stream`` waits until the buffer's previous
         exchange is done."""
-        self._check_fetch(layer)
-        if self._inline and self._protocol.micro == 0:
-            self._zero_init(self._shards[layer], stream)
-            return self._shard_containers[layer], False
-        buf = self._buffers[layer % 2]
+        self._check_fetch(layer, stream)
         if not self._inline:
             self._wait(self._free[layer % 2], stream)
-        self._zero_init(buf, stream)
-        return self._containers[layer % 2], False
+        full = self._full(layer)
+        self._zero_init(full.tensors(), stream)
+        return full, False
+
+    def _full(self, layer: int) -> Container:
+        if self._inline and self._protocol.micro == 0:
+            return self._shard_containers[layer]
+        return self._containers[layer % 2]
 
     def _exchange_block(self, layer: int, stream: StreamLike) -> None:
         if self._inline:  # world 1: the gradient is the mean; micro-step 0 wrote the shards
@@ -109,7 +111,7 @@ class ShardedManager(GradientManager):
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's accumulated shard of layer ``layer`` (device or pinned memory), ready on
         ``stream``. Valid between steps, after a completed step (ProtocolError otherwise)."""
-        self._check_readable(f"block_shard({layer})")
+        self._check_readable(f"block_shard({layer})", stream)
         self._protocol.check_layer(layer)
         self._wait(self._comm_done, stream)
         return self._shard_containers[layer]

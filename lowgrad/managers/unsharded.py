@@ -17,36 +17,38 @@ class UnshardedManager(GradientManager):
             raise ValueError("offload applies to the sharded strategies; the unsharded manager keeps full "
                              "gradients on the device")
         lazy = self.device.lazy_allocator("device")
-        self._full = [[lazy.alloc(s.shape, self.dtype, "block_grad") for s in self.layout.block]
+        self._tensors = [[lazy.alloc(s.shape, self.dtype, "block_grad") for s in self.layout.block]
                       for _ in range(self.layout.num_layers)]
         lazy.commit()
-        self._containers = [self._container(ts) for ts in self._full]
+        self._containers = [self._container(ts) for ts in self._tensors]
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).
         ``zero_init`` tensors are zeroed on ``stream`` on micro-step 0 and always added into."""
-        self._check_fetch(layer)
-        tensors = self._full[layer]
+        self._check_fetch(layer, stream)
         if self._protocol.micro == 0:
             self._wait(self._comm_done, stream)  # the previous step's reduce-scatters have finished
-            self._zero_init(tensors, stream)
-        return self._containers[layer], self._protocol.micro > 0
+            self._zero_init(self._tensors[layer], stream)
+        return self._full(layer), self._protocol.micro > 0
+
+    def _full(self, layer: int) -> Container:
+        return self._containers[layer]
 
     def _exchange_block(self, layer: int, stream: StreamLike) -> None:
         if self.last_micro_step and self.world > 1:  # world 1: the mean is the gradient
             self._join(stream)
-            self.reduce_scatter_all(self._full[layer])
+            self.reduce_scatter_all(self._tensors[layer])
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``.
         Valid between steps, after a completed step (ProtocolError otherwise)."""
-        self._check_readable(f"block_shard({layer})")
+        self._check_readable(f"block_shard({layer})", stream)
         self._protocol.check_layer(layer)
         self._wait(self._comm_done, stream)
-        return self._container([shard_view(t, self.rank, self.world) for t in self._full[layer]])
+        return self._container([shard_view(t, self.rank, self.world) for t in self._tensors[layer]])
 
     def _block_shards(self) -> list[Tensor]:
-        return [shard_view(t, self.rank, self.world) for ts in self._full for t in ts]
+        return [shard_view(t, self.rank, self.world) for ts in self._tensors for t in ts]
 
     def _owned(self) -> list[Tensor]:
-        return [t for ts in self._full for t in ts]
+        return [t for ts in self._tensors for t in ts]
