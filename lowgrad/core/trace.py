@@ -7,9 +7,13 @@ launch, copy and collective, through the standard ``logging`` logger ``"lowgrad"
   NCCL call (CUDA) or host kernel and host collective (host backend), with sizes and the stream.
   They are produced while :data:`ENABLED` is true, which is when either
 
-  * ``LOWGRAD_TRACE`` is set (read once at import; :func:`enable` switches it at run time):
-    ``1`` writes them to stderr, a path appends them to that file. lowgrad writes these lines
-    itself, through its own handler; they do not propagate to the root logger's handlers; or
+  * ``LOWGRAD_TRACE`` is on (read once at import; :func:`enable` switches it at run time):
+    ``1`` (or ``true``, ``on``, ``yes``) writes them to stderr, any other value but the off
+    words appends them to the file it names; ``0``, ``false``, ``off``, ``no`` and the empty
+    string (any case) leave it off. A file that cannot be opened at import gives a
+    RuntimeWarning and leaves the trace off: a diagnostic never stops ``import lowgrad``.
+    lowgrad writes these lines itself, through its own handler; they do not propagate to the
+    root logger's handlers; or
   * the ``lowgrad`` logger's own level is DEBUG or lower
     (``logging.getLogger("lowgrad").setLevel(logging.DEBUG)``): the records go to the handlers
     you attach, as any logging record does. A DEBUG root logger alone does not switch the trace
@@ -25,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TextIO
@@ -38,6 +43,8 @@ logger = logging.getLogger("lowgrad")
 logger.addHandler(logging.NullHandler())
 
 ENABLED: bool = False
+_OFF = frozenset({"", "0", "false", "off", "no"})  # LOWGRAD_TRACE words that mean no trace (any case)
+_STDERR = frozenset({"1", "true", "on", "yes"})  # words that mean stderr; anything else is a path
 
 
 class _Writer(logging.Handler):
@@ -80,12 +87,22 @@ def _set_level_and_refresh(level: int | str) -> None:
 logger.setLevel = _set_level_and_refresh  # type: ignore[method-assign]  # the level switches ENABLED
 
 
+def _open(target: str | None) -> TextIO | None:
+    """Where ``target`` (a ``LOWGRAD_TRACE`` value) sends the lines: None (an off word), stderr
+    (an on word) or the file it names, opened for appending (OSError when it cannot be)."""
+    if target is None or target.strip().lower() in _OFF:
+        return None
+    return sys.stderr if target.strip().lower() in _STDERR else open(target, "a", buffering=1)
+
+
 def enable(target: str | None) -> None:
-    """Trace to stderr (``"1"``), append to a file (a path), or stop lowgrad's own output
-    (``None``/``""``; lines still flow to your handlers while the logger's level is DEBUG).
-    Safe while other threads log: the stream is switched, and the previous file closed, under
-    the lock every line is written under."""
-    new = None if not target else (sys.stderr if target == "1" else open(target, "a", buffering=1))
+    """Trace to stderr (``"1"``, ``"true"``, ``"on"``, ``"yes"``), append to a file (a path), or
+    stop lowgrad's own output (``None``, ``""``, ``"0"``, ``"false"``, ``"off"``, ``"no"``; any
+    case; lines still flow to your handlers while the logger's level is DEBUG): the words of
+    ``LOWGRAD_TRACE``. A file that cannot be opened raises OSError and changes nothing. Safe
+    while other threads log: the stream is switched, and the previous file closed, under the
+    lock every line is written under."""
+    new = _open(target)
     old = _writer.retarget(new)
     if new is None and old is not None:
         logger.removeHandler(_writer)
@@ -128,4 +145,14 @@ def _range(name: str) -> Iterator[None]:
         _nvtx.pop_range()
 
 
-enable(os.environ.get("LOWGRAD_TRACE"))
+def _enable_from_environment() -> None:
+    """Apply ``LOWGRAD_TRACE``; a file that cannot be opened warns and leaves the trace off."""
+    target = os.environ.get("LOWGRAD_TRACE")
+    try:
+        enable(target)
+    except OSError as exc:
+        warnings.warn(f"lowgrad: LOWGRAD_TRACE={target!r}: cannot open the trace file {target!r} "
+                      f"({exc.strerror or exc}); the trace is off", RuntimeWarning, stacklevel=2)
+
+
+_enable_from_environment()
