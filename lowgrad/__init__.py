@@ -25,6 +25,7 @@ from lowgrad.core.errors import (
                                  LowgradError,
                                  NcclError,
                                  NcclLibraryError,
+                                 NonFiniteGradientError,
                                  NvrtcError,
                                  ProtocolError,
 )
@@ -57,4 +58,5 @@ __all__ = [
     "SeedCounter", "ROUNDINGS", "DEFAULT_ROUNDING", "use_seed",
     "LowgradError", "CudaError", "CudaUnavailableError", "NvrtcError", "NcclError", "NcclLibraryError",
     "CommTimeoutError", "CommAbortedError", "ClosedError", "CaptureError", "ProtocolError",
+    "NonFiniteGradientError",
 ]

@@ -35,7 +35,9 @@ a backward outside ``micro_step``.
 """
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -44,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lowgrad.core.errors import ProtocolError
+from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
 
@@ -109,72 +111,138 @@ def _whose(layer: int | None, name: str) -> str:
     return name if layer is None else f"block {layer} {name}"
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (its parameters are the same objects), or ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+_SECOND_BACKWARD = ("a second backward pass in one micro-step: with overlap=True (the default) each block's "
+                    "gradients are handed over as soon as its backward ends, on every communicator alike; sum the "
+                    "losses into one backward, or attach(..., overlap=False) to accumulate several backward "
+                    "passes exactly as plain PyTorch does")
+
+
 class Attached:
     """A gradient manager fed by a module's backward (see :func:`attach`). ``gm`` is the
-    manager; shards and the norm are read through it or through the torch views below."""
+    manager (its protocol state is the one state: the adapter keeps no copy of it); shards and
+    the norm are read through it or through the torch views below. ``block_params[l]`` and
+    ``non_block_params`` are the ``(name, parameter)`` pairs in layout order."""
 
     def __init__(self, model: torch.nn.Module, comm: Any, blocks: str | None = None, overlap: bool = True,
                  **manager_args: Any) -> None:
         if not isinstance(overlap, bool):
             raise TypeError(f"attach: overlap must be a bool, got {overlap!r}")
-        self.model = model
-        self.overlap = overlap
+        model = _unwrap(model)
+        layout, block_params, non_block_params = module_layout(model, blocks)
+        params = [p for ps in block_params for _, p in ps] + [p for _, p in non_block_params]
+        taken = [n for n, p in model.named_parameters() if _attached_to(p) is not None]
+        if taken:
+            raise ValueError(f"attach: {type(model).__name__} is already attached to a gradient manager (parameters "
+                             f"{taken[:3]}): close() that Attached first, or keep using it")
+        self.gm = create_gradient_manager(layout, comm, **manager_args)  # checks every manager argument
+        wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype != _torch_dtype(self.gm)]
+        if wrong:
+            self.gm.close()
+            raise TypeError(f"attach: parameters {wrong[:3]} are not {self.gm.dtype.name}, the manager's gradient dtype "
+                            f"(convert the model with .to({_torch_dtype(self.gm)}), or pass dtype= to attach)")
+        self.model, self.overlap, self.layout = model, overlap, layout
+        self.block_params, self.non_block_params = block_params, non_block_params
+        self.device = comm.device
         self._meets = bool(getattr(comm, "meets_peers_on_host", False))
         self._thread = 0  # the thread that entered the micro-step
         self._defer: bool | None = None  # this micro-step delivers at the end (decided at its first gradient)
         self._host_ns = 0
-        self.layout, self._blocks, self._non_block = module_layout(model, blocks)
-        self.gm = create_gradient_manager(self.layout, comm, **manager_args)
-        self.device = comm.device
-        self._snapshot = self._params()
+        self._params = params
+        self._cuda = params[0].device if params[0].is_cuda else None  # where PyTorch's streams are
+        self._snapshot = self._param_signature()
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
-        self._active = False
         self._stream: Any = None
-        self._fetched: int | None = None
-        self._next = self.layout.num_layers - 1
-        self._missing: set[str] = set()
+        self._seen: set[int] = set()  # the parameters whose gradient arrived in this micro-step
+        self._missing: set[str] = set()  # the fetched block's parameters still to arrive
         self._buffers: dict[str, torch.Tensor] = {}
         self._accumulate = False
         self._handles: list[Any] = []
-        for layer, params in enumerate(self._blocks):
-            for n, p in params:
+        for layer, ps in enumerate(block_params):
+            for n, p in ps:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self._hook(n, partial(self._block_arrived, layer, n))))
-        for n, p in self._non_block:
+        for n, p in non_block_params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(n, partial(self._non_block_arrived, n))))
+        for p in params:
+            p._lowgrad_attached = weakref.ref(self)  # type: ignore[attr-defined]
 
     # ---- the micro-step ----------------------------------------------------------------
     @contextmanager
     def micro_step(self, micro_step: int, total_micro_steps: int) -> Iterator[Attached]:
         """Run the forward and backward of micro-batch ``micro_step`` of ``total_micro_steps``
         inside this block; on exit every block must have delivered all its gradients (then the
-        manager's micro-step ends on PyTorch's current stream)."""
-        if self._active:
-            raise ProtocolError("attached.micro_step: micro-steps do not nest")
+        manager's micro-step ends on PyTorch's current stream).
+
+        Refused before anything changes: micro-steps that nest or come out of order (the
+        manager's checks), a model whose parameters changed since ``attach``, and a gradient
+        already in some ``p.grad`` (it would be folded into this step). An exception inside the
+        block (an OOM in backward, a NaN check of the user's, misuse found here) clears every
+        ``p.grad`` and discards the step (:meth:`discard_step`) before it propagates: the
+        manager is between steps again and every rank sees a non-finite step."""
         t0 = perf_counter_ns()
-        if self._params() != self._snapshot:
+        if self.gm.in_micro_step:
+            raise ProtocolError("attached.micro_step: micro-steps do not nest")
+        if self._param_signature() != self._snapshot:
             raise ValueError("attached.micro_step: the model's parameters changed after attach (added, removed, "
                              "replaced, reshaped or retyped): attach again")
-        self._stream = self._current_stream()
-        self.gm.start_micro_step(self._stream, micro_step, total_micro_steps)
-        self._active, self._fetched, self._next = True, None, self.layout.num_layers - 1
-        self._thread, self._defer = threading.get_ident(), None
+        stale = [n for n, p in self._named() if p.grad is not None]
+        if stale:
+            raise ProtocolError(f"attached.micro_step: parameters {stale[:3]} already hold a gradient in p.grad (from a "
+                                "backward outside a micro-step, or from before attach): it would be folded into this "
+                                "step; clear it with model.zero_grad(set_to_none=True)")
+        stream = self.current_stream()
+        self.gm.start_micro_step(stream, micro_step, total_micro_steps)
+        self._stream, self._thread, self._defer = stream, threading.get_ident(), None
+        self._seen.clear()
+        self._missing = set()
         self._host_ns += perf_counter_ns() - t0
         try:
             yield self
             t0 = perf_counter_ns()
             if self._defer:
                 self._deliver_deferred()
-            if self._fetched is not None:
-                raise ProtocolError(f"attached.micro_step: block {self._fetched} produced only part of its gradients "
-                                    f"(missing {sorted(self._missing)})")
-            if self._next != -1:
-                raise ProtocolError(f"attached.micro_step: blocks {self._next}..0 produced no gradient in micro-step "
-                                    f"{micro_step} (every block's parameters must take part in each backward)")
-            self.gm.end_micro_step(self._stream)
+            if self._missing:
+                raise ProtocolError(f"attached.micro_step: block {self.gm.fetched_layer} produced only part of its "
+                                    f"gradients (missing {sorted(self._missing)})")
+            try:
+                self.gm.end_micro_step(stream)
+            except ProtocolError as e:
+                raise ProtocolError(f"attached.micro_step {micro_step}: {e} (every block's parameters must take part "
+                                    "in each backward)") from e
             self._host_ns += perf_counter_ns() - t0
+        except BaseException:
+            self._abandon(stream)
+            raise
         finally:
-            self._active, self._defer = False, None
+            self._defer = None
+
+    def discard_step(self, total_micro_steps: int | None = None) -> bool:
+        """Give up the step in progress after a fault outside ``micro_step`` (the data loader
+        raised between micro-steps, say): every ``p.grad`` cleared, then
+        :meth:`GradientManager.discard_step <lowgrad.managers.base.GradientManager.discard_step>`
+        on PyTorch's current stream (``total_micro_steps``: discard a whole step that has not
+        begun, so that peers running it are not left waiting). Faults inside ``micro_step``
+        discard by themselves."""
+        stream = self.current_stream()
+        self._drop_grads()
+        return self.gm.discard_step(stream, total_micro_steps)
+
+    def _abandon(self, stream: Any) -> None:
+        """After an exception inside a micro-step: no gradient left in ``p.grad``, the step
+        discarded (nothing to do where the micro-step never started)."""
+        self._drop_grads()
+        self._missing = set()
+        self.gm.discard_step(stream)
+
+    def _drop_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def _deferring(self, name: str) -> bool:
         """Whether this micro-step leaves the gradients in ``p.grad`` until its end: always with
@@ -182,7 +250,6 @@ class Attached:
         run on another thread than the micro-step's (PyTorch runs a CUDA backward's hooks on one
         autograd thread per GPU, shared by every rank that uses the GPU: a rank waiting there for
         its peers would wait forever)."""
-        self._check_active(name)
         if self._defer is None:
             self._defer = not self.overlap or (self._meets and threading.get_ident() != self._thread)
         return self._defer
@@ -190,48 +257,62 @@ class Attached:
     def _deliver_deferred(self) -> None:
         """Deliver the gradients the hooks left in ``p.grad``: the non-block ones, then the
         blocks from the last to the first, as an overlapped backward would have."""
-        for name, p in self._non_block:
+        for name, p in self.non_block_params:
             if p.grad is not None:
                 self._non_block_arrived(name, p)
         for layer in reversed(range(self.layout.num_layers)):
-            for name, p in self._blocks[layer]:
+            for name, p in self.block_params[layer]:
                 if p.grad is not None:
                     self._block_arrived(layer, name, p)
 
     def _hook(self, name: str, arrived: Callable[[torch.Tensor], None]) -> Any:
         """The post-accumulate-grad hook of parameter ``name``: ``arrived(p)`` now, unless this
-        micro-step delivers at its end; its host time counted in :attr:`host_seconds`."""
+        micro-step delivers at its end; its host time counted in :attr:`host_seconds`. A
+        gradient it refuses (outside a micro-step; a second backward with ``overlap=True``) is
+        dropped from ``p.grad`` before the error: a refused backward leaves nothing."""
         def hook(p: torch.Tensor) -> None:
             t0 = perf_counter_ns()
-            if self._defer is False or not self._deferring(name):  # False only inside a micro-step
-                arrived(p)
-            self._host_ns += perf_counter_ns() - t0
+            try:
+                if not self.gm.in_micro_step:
+                    raise ProtocolError(f"lowgrad.torch: a gradient of {name} outside `with attached.micro_step(m, M)`: "
+                                        "the attached model's backward runs inside a micro-step")
+                if self.overlap:
+                    if id(p) in self._seen:
+                        raise ProtocolError(f"lowgrad.torch: {name}: {_SECOND_BACKWARD}")
+                    self._seen.add(id(p))
+                if not self._deferring(name):
+                    arrived(p)
+            except BaseException:
+                p.grad = None
+                raise
+            finally:
+                self._host_ns += perf_counter_ns() - t0
         return hook
 
     def _block_arrived(self, layer: int, name: str, p: torch.Tensor) -> None:
-        if self._fetched != layer:
-            if self._fetched is not None:
+        if self.gm.fetched_layer != layer:
+            if self._missing:
                 raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived while block "
-                                    f"{self._fetched} still misses {sorted(self._missing)}: blocks must finish "
+                                    f"{self.gm.fetched_layer} still misses {sorted(self._missing)}: blocks must finish "
                                     "their backward one after another, from the last to the first")
-            if layer != self._next:
-                raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived, expected block "
-                                    f"{self._next} (backward goes from the last block to the first)")
-            dw, self._accumulate = self.gm.block_full(layer, self._stream)
-            self._buffers = {n: self._torch(dw[n]) for n, _ in self._blocks[layer]}
+            try:
+                dw, self._accumulate = self.gm.block_full(layer, self._stream)
+            except ProtocolError as e:
+                raise ProtocolError(f"lowgrad.torch: a gradient of block {layer} ({name}) arrived out of order ({e}): "
+                                    "backward goes from the last block to the first, and every block's parameters "
+                                    "must take part in each backward") from e
+            self._buffers = {n: self.view(dw[n]) for n, _ in self.block_params[layer]}
             self._missing = set(self._buffers)
-            self._fetched = layer
         if name not in self._missing:
             raise ProtocolError(f"lowgrad.torch: block {layer}'s {name} delivered a gradient twice in one backward")
         self._deliver(p, self._buffers[name], self._accumulate, layer, name)
         self._missing.discard(name)
         if not self._missing:
             self.gm.notify_block(layer, self._stream)
-            self._fetched, self._next = None, layer - 1
 
     def _non_block_arrived(self, name: str, p: torch.Tensor) -> None:
         buf, accumulate = self.gm.non_block_full(name, self._stream)
-        self._deliver(p, self._torch(buf), accumulate, None, name)
+        self._deliver(p, self.view(buf), accumulate, None, name)
         self.gm.notify_non_block(name, self._stream)
 
     def _deliver(self, p: torch.Tensor, buf: torch.Tensor, accumulate: bool, layer: int | None, name: str) -> None:
@@ -250,11 +331,6 @@ class Attached:
         else:
             buf.copy_(g)
 
-    def _check_active(self, name: str) -> None:
-        if not self._active:
-            raise ProtocolError(f"lowgrad.torch: a gradient of {name} outside `with attached.micro_step(m, M)`: the "
-                                "attached model's backward runs inside a micro-step")
-
     @property
     def host_seconds(self) -> float:
         """Host time spent so far in this adapter's hooks and micro-step bookkeeping (including the
@@ -265,35 +341,44 @@ class Attached:
     def block_shards(self, layer: int) -> dict[str, torch.Tensor]:
         """This rank's shards of block ``layer`` (views; after a completed step, until the next
         micro-step), ready on PyTorch's current stream."""
-        c = self.gm.block_shard(layer, self._current_stream())
-        return {n: self._torch(c[n]) for n, _ in self._blocks[layer]}
+        c = self.gm.block_shard(layer, self.current_stream())
+        return {n: self.view(c[n]) for n, _ in self.block_params[layer]}
 
     def non_block_shard(self, name: str) -> torch.Tensor:
         """This rank's shard of the non-block gradient ``name`` (a view)."""
-        return self._torch(self.gm.non_block_shard(name, self._current_stream()))
+        return self.view(self.gm.non_block_shard(name, self.current_stream()))
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """The completed step's squared global gradient norm (every rank's shards; a collective)
+        as a one-element float32 device tensor, no host sync; the manager reuses it."""
+        return self.view(self.gm.grad_norm_squared(self.current_stream()))
 
     def clip_coefficient(self, max_norm: float, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coefficient, finite)`` as 0-d device tensors, no host sync: ``min(1, max_norm /
         (norm + eps))`` of the global gradient norm over every rank's shards, computed in
-        float64. A non-finite norm gives coefficient 0 (an update scaled by it changes nothing)
-        and ``finite`` False: check it before trusting the step (``finite.item()`` syncs)."""
-        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
-            raise ValueError(f"clip_coefficient: max_norm must be a positive number, got {max_norm!r}")
-        norm = self._torch(self.gm.grad_norm_squared(self._current_stream())).to(torch.float64).reshape(()).sqrt()
+        float64; ``finite`` False (and the coefficient 0) for a non-finite norm. A coefficient
+        of 0 does not make an optimizer step a no-op (AdamW's moments decay and its weight decay
+        still moves the weights; NaN times 0 is NaN): skip such a step, as
+        :meth:`ShardOptimizer.step` does."""
+        max_norm = _check_max_norm(max_norm)
+        norm = self.grad_norm_squared().to(torch.float64).reshape(()).sqrt()
         finite = torch.isfinite(norm)
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         return torch.where(finite, coef, torch.zeros_like(coef)), finite
 
     def close(self) -> None:
-        """Remove the hooks and close the manager."""
+        """Remove the hooks and close the manager (idempotent); the module may be attached again."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self._params:
+            if _attached_to(p) is self:
+                del p._lowgrad_attached  # type: ignore[attr-defined]
         self._views.clear()
         self.gm.close()
 
     # ---- helpers -----------------------------------------------------------------------
-    def _torch(self, t: Any) -> torch.Tensor:
+    def view(self, t: Any) -> torch.Tensor:
         """A cached torch view of the lowgrad tensor ``t`` (its memory lives as long as the manager)."""
         key = (t.ptr, t.numel, t.dtype.name)
         v = self._views.get(key)
@@ -301,13 +386,40 @@ class Attached:
             v = self._views[key] = torch.from_dlpack(t).reshape(t.shape)
         return v
 
-    def _current_stream(self) -> Any:
-        if getattr(self.device, "backend", None) == "cuda":
-            return torch.cuda.current_stream(self.device.ordinal).cuda_stream
-        return None
+    def current_stream(self) -> Any:
+        """PyTorch's current stream on the module's GPU, as the manager takes it (a raw handle);
+        None where the module lives in host memory (the host backend)."""
+        if self._cuda is None:
+            return None
+        return torch.cuda.current_stream(self._cuda).cuda_stream
 
-    def _params(self) -> list[tuple[int, tuple[int, ...], torch.dtype, bool]]:
+    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for layer, ps in enumerate(self.block_params):
+            for n, p in ps:
+                yield f"{layer}.{n}", p
+        yield from self.non_block_params
+
+    def _param_signature(self) -> list[tuple[int, tuple[int, ...], torch.dtype, bool]]:
         return [(id(p), tuple(p.shape), p.dtype, p.requires_grad) for p in self.model.parameters()]
+
+
+def _attached_to(p: torch.Tensor) -> Attached | None:
+    """The open :class:`Attached` whose hooks are on ``p``, if any."""
+    ref = getattr(p, "_lowgrad_attached", None)
+    return ref() if ref is not None else None
+
+
+def _torch_dtype(gm: Any) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[gm.dtype.name]
+
+
+def _check_max_norm(max_norm: Any) -> float:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
+    return float(max_norm)
+
+
+NONFINITE_POLICIES = ("skip", "raise")
 
 
 class ShardOptimizer:
@@ -319,21 +431,31 @@ class ShardOptimizer:
 
     ``master_weights=True`` keeps float32 copies of the slices (the optimizer updates those;
     the module gets them rounded to nearest); False updates the module's bf16 rows in place.
+    ``nonfinite`` says what a step whose global gradient norm is not finite does (a loss spike,
+    or a step discarded after a fault on any rank): ``"skip"`` (the default, as
+    ``torch.amp.GradScaler``) changes nothing and counts it in :attr:`skipped_steps`;
+    ``"raise"`` changes nothing and raises :class:`lowgrad.NonFiniteGradientError`.
     ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``)."""
 
     def __init__(self, attached: Attached, optimizer_cls: Any = None, master_weights: bool = True,
-                 **optimizer_kwargs: Any) -> None:
-        self.attached = attached
+                 nonfinite: str = "skip", **optimizer_kwargs: Any) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.attached, self.nonfinite = attached, nonfinite
         comm = attached.gm.comm
         self.rank, self.world = comm.rank, comm.world
         # the module's parameters in the order of the shards step() reads: blocks, then non-block
-        self._module_params = [p for params in attached._blocks for _, p in params] + [p for _, p in attached._non_block]
+        self._module_params = [p for ps in attached.block_params for _, p in ps] + [p for _, p in attached.non_block_params]
         self._module_rows = [self._rows(p) for p in self._module_params]
         self.master_weights = master_weights
         self.params: list[torch.Tensor] = [
             torch.nn.Parameter(rows.detach().float().clone() if master_weights else rows.detach())
             for rows in self._module_rows]
         self.optimizer = (optimizer_cls or torch.optim.AdamW)(self.params, **optimizer_kwargs)
+        #: steps skipped (or raised) for a non-finite gradient norm
+        self.skipped_steps = 0
+        #: the global gradient norm of the last step (finite or not)
+        self.last_norm = math.nan
         biggest = max(p.numel() for p in self._module_params)
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
             if self.world > 1 else None
@@ -342,22 +464,37 @@ class ShardOptimizer:
         per = p.shape[0] // self.world
         return p.detach()[self.rank * per:(self.rank + 1) * per]
 
-    def step(self, max_norm: float | None = None) -> torch.Tensor | None:
-        """One optimizer step from the completed step's shards; with ``max_norm``, the gradients
-        are first scaled by :meth:`Attached.clip_coefficient` (a non-finite norm scales them by
-        0) and the ``finite`` flag is returned (a 0-d bool tensor; no host sync)."""
-        att = self.attached
-        finite = coef = None
+    def step(self, max_norm: float | None = None, eps: float = 1e-6) -> bool:
+        """One optimizer step from the completed step's shards; True when it was applied, False
+        when it was skipped for a non-finite global gradient norm (then nothing changed:
+        parameters, master weights and optimizer state are as before; with ``nonfinite="raise"``
+        it raises instead). With ``max_norm`` the gradients are first scaled by ``min(1,
+        max_norm / (norm + eps))``, computed in float64 as :meth:`Attached.clip_coefficient`.
+
+        Reads the norm on the host: one sync per step, as ``GradScaler`` makes (the host waits
+        for backward to finish; every rank gets the same norm from the same all-reduce, so every
+        rank takes the same branch)."""
         if max_norm is not None:
-            coef, finite = att.clip_coefficient(max_norm)
+            max_norm = _check_max_norm(max_norm)
+        att = self.attached
+        norm = math.sqrt(float(att.grad_norm_squared()))  # float64 from the float32 sum of squares
+        self.last_norm = norm
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(f"step {att.gm.step - 1}: the global gradient norm is {norm} on rank "
+                                             f"{self.rank}; nothing was updated")
+            return False
         shards: list[torch.Tensor] = []
         for layer in range(att.layout.num_layers):
             shards.extend(att.block_shards(layer).values())
-        shards.extend(att.non_block_shard(n) for n, _ in att._non_block)
+        shards.extend(att.non_block_shard(n) for n, _ in att.non_block_params)
         dtype = torch.float32 if self.master_weights else shards[0].dtype
         grads = [s.to(dtype, copy=True) for s in shards]  # the optimizer may change its gradients
-        if coef is not None:
-            torch._foreach_mul_(grads, coef.float())
+        if max_norm is not None:
+            coef = min(1.0, max_norm / (norm + eps))
+            if coef < 1.0:
+                torch._foreach_mul_(grads, torch.tensor(coef, dtype=torch.float32, device=grads[0].device))
         for param, grad in zip(self.params, grads):
             param.grad = grad
         self.optimizer.step()
@@ -369,16 +506,16 @@ class ShardOptimizer:
             if self._gather is not None:
                 for module_param in self._module_params:
                     self._all_gather(module_param)
-        return finite
+        return True
 
     def _all_gather(self, p: torch.Tensor) -> None:
         """Every rank's updated rows of ``p`` into every rank's ``p`` (through one lowgrad buffer)."""
         n = p.numel()
         buf = self._gather.view(0, n)  # type: ignore[union-attr]
-        full = self.attached._torch(buf).view(p.shape)
+        full = self.attached.view(buf).view(p.shape)
         own = self._rows(full)
         own.copy_(self._rows(p))
-        self.attached.gm.comm.all_gather(buf, stream=self.attached._current_stream())
+        self.attached.gm.comm.all_gather(buf, stream=self.attached.current_stream())
         p.detach().copy_(full)
 
     def close(self) -> None:
@@ -393,10 +530,15 @@ def attach(model: torch.nn.Module, comm: Any, blocks: str | None = None, overlap
     module (:func:`module_layout`), ``manager_args`` as for :func:`lowgrad.create_gradient_manager`
     (``strategy``, ``offload``, ``dtype``, ``seed``, ``step``, ``rounding``, ``inline``). The
     model's parameters must live where ``comm.device`` can read them through DLPack (a CUDA device:
-    the same GPU; the host backend: the CPU) and have the manager's gradient dtype (bf16 by default).
+    the same GPU; the host backend: the CPU) and have the manager's gradient dtype (bf16 by default;
+    TypeError at attach otherwise). A module wrapped by ``torch.compile`` is attached through the
+    module it wraps. A module attached already (its hooks still on) is refused: ``close()`` the first.
 
     ``overlap=False`` leaves each gradient in ``p.grad`` until the end of the micro-step and
     delivers them all there (no overlap with backward, one full set of gradients at a time, as
-    plain PyTorch). It is chosen by itself where ranks share one GPU through the loopback
-    communicator: PyTorch runs their backward hooks on one shared autograd thread."""
+    plain PyTorch); several backward passes in one micro-step then accumulate as in plain
+    PyTorch. The same delivery is chosen by itself where ranks share one GPU through the loopback
+    communicator (PyTorch runs their backward hooks on one shared autograd thread), but a second
+    backward is refused there as with ``overlap=True``, so that a loop behaves the same on every
+    communicator."""
     return Attached(model, comm, blocks, overlap, **manager_args)

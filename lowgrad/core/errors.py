@@ -63,6 +63,11 @@ class CaptureError(LowgradError):
     """An operation that is not allowed during CUDA-graph capture (a host sync, an allocation)."""
 
 
+class NonFiniteGradientError(LowgradError, FloatingPointError):
+    """A step's global gradient norm is not finite (a loss spike, or a step discarded after a
+    fault on some rank) and the caller asked to raise rather than skip it; nothing was updated."""
+
+
 class ProtocolError(LowgradError, ValueError):
     """A gradient-manager protocol violation: a fetch out of order, a notify without a fetch,
     reading shards or the norm before a step completed, a micro-step out of sequence. Also a

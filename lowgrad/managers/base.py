@@ -165,6 +165,16 @@ class GradientManager(NonBlockGradients, ABC):
         return self._inline
 
     @property
+    def in_micro_step(self) -> bool:
+        """Between ``start_micro_step`` and ``end_micro_step`` (outside a graph capture)."""
+        return self._protocol.in_micro
+
+    @property
+    def fetched_layer(self) -> int | None:
+        """The layer fetched with ``block_full`` and not yet notified, if any."""
+        return self._protocol.fetched
+
+    @property
     def last_micro_step(self) -> bool:
         """The micro-step in progress (or the last one started) is its step's last."""
         return self._protocol.last
