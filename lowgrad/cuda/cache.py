@@ -1,12 +1,14 @@
 """The on-disk cache of compiled kernels (cubins), shared by every process of this user.
 
 Entries live in ``$LOWGRAD_CACHE_DIR`` (default ``~/.cache/lowgrad``), a directory private to the
-user (0700), named by the sha256 of their key (source and header hashes, options, architecture,
-NVRTC identity). An entry is read only when it is a regular file of this user, writable by no one
-else and at most :data:`MAX_ENTRY_BYTES`; its header must repeat the whole key and its checksum
-must match, else the kernel is recompiled and the entry replaced atomically. An unusable cache
-directory means compiling in memory, with one warning. What to compile and how (NVRTC) is
-:mod:`lowgrad.cuda.compiler`'s; this module only keys, stores and finds the results.
+user (0700) and not itself a symbolic link, named by the sha256 of their key (source and header
+hashes, options, architecture, NVRTC identity). An entry is read only when it is a regular file of
+this user, writable by no one else and at most :data:`MAX_ENTRY_BYTES`; its header must repeat the
+whole key and its checksum must match, else the kernel is recompiled and the entry replaced
+atomically. An unusable cache directory (a link, another user's, writable by others, not
+creatable) means compiling in memory, with one warning, and is left as it is. What to compile
+and how (NVRTC) is :mod:`lowgrad.cuda.compiler`'s; this module only keys, stores and finds the
+results.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ _warned: set[str] = set()  # cache warnings already given
 # I/O or warning, and taken by no finalizer. Two threads missing the same kernel both compile it
 # (harmless: identical work, atomic file replace); the first result kept is what both return.
 _memo_lock = threading.Lock()
+# The user the cache belongs to, against whom the directory's and entries' owners are checked
+# (a test stands another user in here, so that the refusal of a foreign owner runs without root).
+_user: Callable[[], int] = os.geteuid
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def cache_dir() -> Path:
@@ -105,17 +111,34 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+def _open_dir(d: Path) -> int:
+    """An open descriptor of the directory ``d`` itself (created 0700 when missing). A symbolic
+    link at ``d`` is a PermissionError: it is not followed, so its target is never changed or
+    written (the links of the directories above ``d`` are followed, as any path's are)."""
+    try:
+        try:
+            return os.open(d, _DIR_FLAGS)
+        except FileNotFoundError:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return os.open(d, _DIR_FLAGS)  # O_NOFOLLOW: a link planted since is refused too
+    except OSError:
+        if os.path.islink(d):  # O_NOFOLLOW | O_DIRECTORY fails with ENOTDIR or ELOOP on a link
+            raise PermissionError(f"{d} is a symbolic link (to {os.readlink(d)}); lowgrad does not follow it: "
+                                  "set LOWGRAD_CACHE_DIR to a real directory") from None
+        raise
+
+
 def _open_cache_dir() -> int:
     """An open descriptor of the cache directory (created 0700 when missing; one of this user's
     that others can read is tightened to 0700). OSError saying why when it cannot be used: not
-    creatable, not a directory, owned by another user, or writable by group or others."""
+    creatable, not a directory, a symbolic link, owned by another user, or writable by group or
+    others; then nothing in it, and nothing it points to, has been changed."""
     d = cache_dir()
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = _open_dir(d)
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+        if st.st_uid != _user():
+            raise PermissionError(f"{d} is owned by uid {st.st_uid}, not by this user (uid {_user()})")
         if st.st_mode & 0o022:
             raise PermissionError(f"{d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
         if st.st_mode & 0o077:
@@ -146,7 +169,7 @@ def _entry_problem(st: os.stat_result) -> str | None:
     no one else, of at most :data:`MAX_ENTRY_BYTES`."""
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
-    if st.st_uid != os.geteuid():
+    if st.st_uid != _user():
         return f"is owned by uid {st.st_uid}, not by this user"
     if st.st_mode & 0o022:
         return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
