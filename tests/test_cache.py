@@ -49,18 +49,18 @@ def entry(cache: Path, module: str) -> Path:
     return path
 
 
-def recompiles_fill_zero(warm: Path, golden: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,
+def recompiles_fill(warm: Path, golden: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch,
                          warning: str | None) -> None:
-    """compile_kernels returns the golden cubins, compiling fill_zero only; ``warning`` (a
+    """compile_kernels returns the golden cubins, compiling fill only; ``warning`` (a
     substring) is given once, or no warning at all when None; the entry is rewritten."""
     calls = counting_compile(monkeypatch)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         assert lowgrad.compile_kernels("sm_90") == golden[1]
-    assert calls == ["fill_zero.cu"]
+    assert calls == ["fill.cu"]
     messages = [str(w.message) for w in got]
     assert len(messages) == (warning is not None) and all(warning in m for m in messages), messages
-    assert_rewritten(entry(warm, "fill_zero"))
+    assert_rewritten(entry(warm, "fill"))
 
 
 # ---- the directory -------------------------------------------------------------------------------
@@ -147,93 +147,93 @@ def test_unwritable_directory_compiles_with_one_warning(cache: Path, monkeypatch
 def test_damaged_entry_is_recompiled_silently(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                               monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
     """A damaged entry (a crash mid-write, a bad disk) is no attack: no warning, rewritten whole."""
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     data = path.read_bytes()
-    head = len(kcache._MAGIC) + 4 + len(compiler._source_job("fill_zero", "sm_90").header) + 32
+    head = len(kcache._MAGIC) + 4 + len(compiler._source_job("fill", "sm_90").header) + 32
     path.write_bytes({"truncate": data[:len(data) // 2], "flip": data[:-1] + bytes([data[-1] ^ 1]),
                       "empty": b"", "garbage": bytes(range(256)) * 40, "header only": data[:head]}[damage])
-    recompiles_fill_zero(warm, golden, monkeypatch, None)
+    recompiles_fill(warm, golden, monkeypatch, None)
     assert path.read_bytes() == data and not list(warm.glob("*.tmp"))
 
 
 def test_forged_entry_with_a_valid_self_checksum_is_not_loaded(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     forged = b"\x7fELF forged cubin"
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     path.write_bytes(b"LGCUBIN1" + hashlib.sha256(forged).digest() + forged)  # the old format, self-consistent
-    recompiles_fill_zero(warm, golden, monkeypatch, None)
+    recompiles_fill(warm, golden, monkeypatch, None)
 
 
 def test_entry_of_another_kernel_renamed_is_not_loaded(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    shutil.copyfile(entry(warm, "philox_kat"), entry(warm, "fill_zero"))
-    recompiles_fill_zero(warm, golden, monkeypatch, None)
-    assert golden[1]["fill_zero"] != golden[1]["philox_kat"]
+    shutil.copyfile(entry(warm, "philox_kat"), entry(warm, "fill"))
+    recompiles_fill(warm, golden, monkeypatch, None)
+    assert golden[1]["fill"] != golden[1]["philox_kat"]
 
 
 def test_entry_for_another_nvrtc_is_not_loaded(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The header is checked, not only the name: same file name, another key inside."""
-    job = compiler._source_job("fill_zero", "sm_90")
+    job = compiler._source_job("fill", "sm_90")
     other = job.header.replace(compiler.nvrtc_identity().encode(), b"nvrtc 99.0")
     assert other != job.header
     bad = kcache.Job(job.name, job.source, job.headers, job.options, other, job.key)
-    entry(warm, "fill_zero").write_bytes(kcache._encode(bad, golden[1]["philox_kat"]))
-    recompiles_fill_zero(warm, golden, monkeypatch, None)
+    entry(warm, "fill").write_bytes(kcache._encode(bad, golden[1]["philox_kat"]))
+    recompiles_fill(warm, golden, monkeypatch, None)
 
 
 @pytest.mark.timeout(60)
 def test_fifo_entry_does_not_hang(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     path.unlink()
     os.mkfifo(path, 0o600)
-    recompiles_fill_zero(warm, golden, monkeypatch, "is not a regular file")
+    recompiles_fill(warm, golden, monkeypatch, "is not a regular file")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", ["valid copy", "/dev/zero"])
 def test_symlinked_entry_is_refused_unread(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path, target: str) -> None:
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     if target == "valid copy":  # a link to a perfectly good entry of this user is refused all the same
         target = str(shutil.copy2(path, tmp_path / "elsewhere.cubin"))
     path.unlink()
     path.symlink_to(target)
-    recompiles_fill_zero(warm, golden, monkeypatch, "is a symbolic link")
+    recompiles_fill(warm, golden, monkeypatch, "is a symbolic link")
 
 
 @pytest.mark.parametrize("mode", [0o620, 0o602, 0o666])
 def test_entry_writable_by_others_is_refused(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                              monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
-    os.chmod(entry(warm, "fill_zero"), mode)
-    recompiles_fill_zero(warm, golden, monkeypatch, "writable by group or others")
+    os.chmod(entry(warm, "fill"), mode)
+    recompiles_fill(warm, golden, monkeypatch, "writable by group or others")
 
 
 @ROOT_ONLY
 def test_entry_of_another_user_is_refused_and_replaced(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    os.chown(entry(warm, "fill_zero"), FOREIGN_UID, FOREIGN_UID)
-    recompiles_fill_zero(warm, golden, monkeypatch, f"owned by uid {FOREIGN_UID}")
+    os.chown(entry(warm, "fill"), FOREIGN_UID, FOREIGN_UID)
+    recompiles_fill(warm, golden, monkeypatch, f"owned by uid {FOREIGN_UID}")
 
 
 def test_directory_in_place_of_an_entry_is_refused(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """It cannot be replaced either: the cubin is still returned, with a second warning."""
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     path.unlink()
     (path / "x").mkdir(parents=True)
     calls = counting_compile(monkeypatch)
     with pytest.warns(RuntimeWarning) as got:
         assert lowgrad.compile_kernels("sm_90") == golden[1]
-    assert calls == ["fill_zero.cu"] and path.is_dir()
+    assert calls == ["fill.cu"] and path.is_dir()
     assert [m for m in map(str, (w.message for w in got)) if "not a regular file" in m]
     assert not list(warm.glob("*.tmp"))
 
 
 def test_oversized_entry_is_refused_unread(warm: Path, golden: tuple[Path, dict[str, bytes]],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    big = entry(warm, "fill_zero")
+    big = entry(warm, "fill")
     others = sum(p.stat().st_size for p in warm.glob("*.cubin") if p != big)
     read: list[int] = []
     real = os.read
@@ -245,7 +245,7 @@ def test_oversized_entry_is_refused_unread(warm: Path, golden: tuple[Path, dict[
 
     monkeypatch.setattr(kcache.os, "read", counted)
     os.truncate(big, kcache.MAX_ENTRY_BYTES + 1)  # sparse: costs no disk
-    recompiles_fill_zero(warm, golden, monkeypatch, "larger than 64 MiB")
+    recompiles_fill(warm, golden, monkeypatch, "larger than 64 MiB")
     assert sum(read) == others  # every other entry whole, not one byte of the big one
 
 
@@ -253,7 +253,7 @@ def test_entry_growing_past_the_bound_is_read_no_further(warm: Path, golden: tup
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The size checked by fstat may be stale: at most the bound plus one byte is read."""
     monkeypatch.setattr(kcache, "MAX_ENTRY_BYTES", 1000)
-    path = entry(warm, "fill_zero")
+    path = entry(warm, "fill")
     real_fstat = os.fstat
 
     def shrunk(fd: int) -> os.stat_result:  # report the size as it was before the file grew
@@ -267,7 +267,7 @@ def test_entry_growing_past_the_bound_is_read_no_further(warm: Path, golden: tup
     monkeypatch.setattr(kcache.os, "read", lambda fd, n: reads.append(n) or real(fd, n))
     assert path.stat().st_size > 1001
     with pytest.warns(RuntimeWarning, match="larger than"):
-        compiler.compile_source("fill_zero", "sm_90")
+        compiler.compile_source("fill", "sm_90")
     assert sum(reads) == 1001
 
 
