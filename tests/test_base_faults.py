@@ -20,13 +20,16 @@ class Fault(Exception):
 
 
 def write(dev: Any, stream: Any, t: lg.Tensor, acc: bool, g: np.ndarray) -> None:
-    """What an engine does with a gradient: overwrite, or add when ``acc`` (exact for these values)."""
-    stream.synchronize()
-    view = t.numpy()
+    """What an engine does with a gradient, on ``stream``, on either backend: overwrite (an exact
+    copy for these bf16 values), or add when ``acc``; through pinned memory the kernels read."""
+    src = dev.alloc(t.shape, lg.fp32, kind="pinned", name="engine_scratch")
+    src.numpy()[...] = g
     if acc:
-        view[...] = (view.astype(np.float32) + g).astype(view.dtype)
+        lg.ops.add_sr(t, t, src, 1.0, seed=99, stream=stream)
     else:
-        view[...] = g.astype(view.dtype)
+        lg.ops.add_sr(t, src, src, 0.5, seed=98, stream=stream)
+    stream.synchronize()  # the kernel has read the scratch before it is freed
+    src.close()
 
 
 def run_step(gm: Any, comm: Any, stream: Any, step: int, M: int, fault_at: tuple[int, str, int] | None = None) -> None:
@@ -63,24 +66,24 @@ def shards(gm: Any, stream: Any) -> dict[str, np.ndarray]:
         c = gm.block_shard(layer, stream)
         out.update({f"{layer}.{s.name}": c[s.name] for s in gm.layout.block})
     stream.synchronize()
-    return {k: t.numpy().astype(np.float32).copy() for k, t in out.items()}
+    return {k: t.numpy().astype(np.float32) for k, t in out.items()}
 
 
 FAULTS = [(0, "before", -1), (0, "fetched", 2), (0, "notified", 1), (1, "non_block", 0), (1, "fetched", 0),
           (1, "end", -1), (2, "before", -1), (2, "non_block", 1), (2, "fetched", 1), (2, "end", -1)]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("strategy,offload", STRATS)
-@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f"m{f[0]}-{f[1]}{f[2]}")
-def test_discard_step_poisons_every_rank_and_leaves_no_trace(world: int, strategy: str, offload: bool,
-                                                             fault: tuple[int, str, int]) -> None:
-    layout, M = small_layout(), 3
+def faulted_and_clean(world: int, strategy: str, offload: bool, fault: tuple[int, str, int], M: int = 3,
+                      **threads: Any) -> tuple[list[Any], list[Any]]:
+    """Per rank of a faulted run (rank 0 faults at ``fault`` in step 0 and discards; its peers
+    run the step normally) and of a clean run: the shards after step 0, after step 1, and the
+    norm after step 0."""
+    layout = small_layout()
 
     def job(comm: Any, faulty: bool) -> tuple[dict[str, np.ndarray], ...]:
         gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=5)
         s = comm.device.stream()
-        if faulty and comm.rank == 0:  # rank 0 faults in step 0; its peer runs the step normally
+        if faulty and comm.rank == 0:
             with pytest.raises(Fault):
                 run_step(gm, comm, s, 0, M, fault)
             assert gm.discard_step(s, M) is True
@@ -88,19 +91,33 @@ def test_discard_step_poisons_every_rank_and_leaves_no_trace(world: int, strateg
             run_step(gm, comm, s, 0, M)
         assert gm.step == 1
         first = shards(gm, s)
-        norm = float(gm.grad_norm_squared(s).numpy()[0])
+        norm = gm.grad_norm_squared(s)
+        s.synchronize()
+        norm_value = norm.numpy().astype(np.float64).copy()
         run_step(gm, comm, s, 1, M)
-        return first, shards(gm, s), np.array([norm])
+        out = first, shards(gm, s), norm_value
+        gm.close()
+        return out
 
-    faulted = lg.run_threads(world, lambda c: job(c, True))
-    clean = lg.run_threads(world, lambda c: job(c, False))
-    for rank in range(world):
-        poisoned, after, norm = faulted[rank]
+    return (lg.run_threads(world, lambda c: job(c, True), **threads),
+            lg.run_threads(world, lambda c: job(c, False), **threads))
+
+
+def check_faulted(faulted: list[Any], clean: list[Any], fault: tuple[int, str, int], M: int = 3) -> None:
+    for rank, ((poisoned, after, norm), (_, want, _)) in enumerate(zip(faulted, clean)):
         assert np.isnan(norm[0]), rank  # every rank sees a non-finite step
         if rank == 0 or fault[0] < M - 1:  # the peers' shards too, unless the last micro-step faulted
             assert all(np.isnan(v).all() for v in poisoned.values()), rank
-        for key, want in clean[rank][1].items():  # the next step: as if nothing had happened
-            assert np.array_equal(after[key].view(np.uint32), want.view(np.uint32)), (rank, key)
+        for key in want:  # the next step: as if nothing had happened
+            assert np.array_equal(after[key].view(np.uint32), want[key].view(np.uint32)), (rank, key)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy,offload", STRATS)
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f"m{f[0]}-{f[1]}{f[2]}")
+def test_discard_step_poisons_every_rank_and_leaves_no_trace(world: int, strategy: str, offload: bool,
+                                                             fault: tuple[int, str, int]) -> None:
+    check_faulted(*faulted_and_clean(world, strategy, offload, fault), fault)
 
 
 def test_discard_between_steps_does_nothing() -> None:

@@ -382,6 +382,23 @@ def test_fill_zero_only_the_target(gpu: lg.Device, dtype: lg.DType, kind: str, n
     assert (got[:lo] == 0xFF).all() and (got[hi:] == 0xFF).all(), "a neighbour byte was written"
 
 
+@pytest.mark.parametrize("kind", ["device", "pinned"])
+@pytest.mark.parametrize("dtype", [lg.bf16, lg.fp32], ids=lambda d: d.name)
+@pytest.mark.parametrize("n,start", _FILL_CASES)
+def test_fill_nan_only_the_target(gpu: lg.Device, dtype: lg.DType, kind: str, n: int, start: int) -> None:
+    total = start + n + 77
+    buf = _put(gpu, np.full(total * dtype.itemsize, 0x11, np.uint8), kind, "nan_buf")
+    t = lg.Tensor(buf.allocation, 0, dtype, (total,), "nan_buf")
+    s = gpu.stream()
+    lg.ops.fill_nan(t.view(start, n), stream=s)
+    s.synchronize()
+    got = buf.numpy().reshape(-1)
+    lo, hi = start * dtype.itemsize, (start + n) * dtype.itemsize
+    assert (got[lo:hi] == 0xFF).all(), "a target byte is not 0xFF"
+    assert np.isnan(got[lo:hi].view(dtype.np).astype(np.float32)).all()
+    assert (got[:lo] == 0x11).all() and (got[hi:] == 0x11).all(), "a neighbour byte was written"
+
+
 # ---- norm_squared ------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 7, 255, 2051, 1_000_000, 3_000_001])
 @pytest.mark.parametrize("out_dt", [lg.fp32, lg.fp64], ids=lambda d: d.name)

@@ -50,12 +50,22 @@ def raise_in_backward_of(block: Any) -> Any:
     return block.register_forward_hook(fwd)
 
 
+def on_device(c: Any) -> Any:
+    """This rank's torch device: the GPU for the CUDA backend (each rank thread on its own torch
+    stream, as ranks sharing a GPU need), else the CPU."""
+    if getattr(c.device, "ordinal", None) is None:
+        return "cpu"
+    torch.cuda.set_stream(torch.cuda.Stream())
+    return "cuda"
+
+
 def run(world: int, fault: str | None, fault_rank: int = 0, steps: int = 3, M: int = 3, strategy: str = "scatter_reduce",
-        overlap: bool = True) -> list[tuple[dict[str, Any], list[bool], int]]:
-    """``steps`` optimizer steps; in step 1, micro-step 1, rank ``fault_rank`` meets ``fault``.
-    ``fault=None`` with ``skip``: the clean run, which skips step 1 without running it."""
+        overlap: bool = True, **threads: Any) -> list[tuple[dict[str, Any], list[bool], int]]:
+    """``steps`` optimizer steps; in step 1, micro-step 1, rank ``fault_rank`` meets ``fault``;
+    ``fault="skip"``: the clean run, which skips step 1 without running it. ``threads``: for
+    :func:`lowgrad.run_threads` (the host backend by default)."""
     def job(c: Any) -> tuple[dict[str, Any], list[bool], int]:
-        model = Tiny()
+        model = Tiny().to(on_device(c))
         att = attach(model, c, strategy=strategy, seed=3, overlap=overlap)
         opt = ShardOptimizer(att, **KW)
         applied = []
@@ -87,18 +97,21 @@ def run(world: int, fault: str | None, fault_rank: int = 0, steps: int = 3, M: i
                     assert not att.gm.in_micro_step
                     break
             applied.append(opt.step(max_norm=0.5))
-        out = state(model, opt)
+        out = {k: v.cpu() for k, v in state(model, opt).items()}
         result = (out, applied, att.gm.step)
         opt.close()
         att.close()
         return result
-    return lg.run_threads(world, job, backend="host")
+    return lg.run_threads(world, job, **({"backend": "host"} | threads))
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("fault", ["nan", "forward", "backward", "data"])
 def test_a_faulted_step_is_skipped_on_every_rank_and_leaves_no_trace(world: int, fault: str) -> None:
-    faulted, clean = run(world, fault, fault_rank=world - 1), run(world, "skip")
+    check_skipped(world, run(world, fault, fault_rank=world - 1), run(world, "skip"))
+
+
+def check_skipped(world: int, faulted: list[Any], clean: list[Any]) -> None:
     for rank in range(world):
         got, applied, step = faulted[rank]
         want, want_applied, want_step = clean[rank]
