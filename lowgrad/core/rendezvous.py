@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lowgrad.core.collective import check_timeout
-from lowgrad.core.tcp_rendezvous import exchange_unique_id
+from lowgrad.core.tcp_rendezvous import check_host, exchange_unique_id, token_key
 
 
 def launcher_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int, str]:
@@ -43,6 +43,11 @@ def unique_id_from_env(make_id: Callable[[], bytes], timeout: float | None = Non
     ``LOWGRAD_MASTER_PORT`` (default ``MASTER_PORT``, or ``MASTER_PORT + 1`` under torchrun's
     agent store, which holds ``MASTER_PORT``), authenticated with ``LOWGRAD_RENDEZVOUS_TOKEN``
     when set, listening on ``LOWGRAD_RENDEZVOUS_BIND`` when set. ``timeout`` in seconds.
+
+    The variables the chosen way uses are checked before ``make_id`` runs (NCCL's opens rank 0's
+    bootstrap socket) and before any socket of the exchange: one that cannot be used (not an
+    integer, out of range, bytes that are not UTF-8, a host name too long for DNS) is a
+    ValueError naming it.
     """
     env = os.environ if environ is None else environ
     rank, world, _, launcher = launcher_env(env)
@@ -53,15 +58,17 @@ def unique_id_from_env(make_id: Callable[[], bytes], timeout: float | None = Non
             raise ValueError("NCCL_COMM_ID and LOWGRAD_RENDEZVOUS_TOKEN are both set: with NCCL_COMM_ID, NCCL's "
                              "bootstrap uses a fixed public id that no token protects; unset one of them")
         return make_id()
-    own = make_id() if rank == 0 else None
     if world == 1:
-        return own  # type: ignore[return-value]
+        return make_id()
     mpi = _mpi_world(rank, world) if launcher == "openmpi" else None
     if mpi is not None:
-        return mpi.bcast(own, root=0)  # type: ignore[no-any-return]
+        return mpi.bcast(make_id() if rank == 0 else None, root=0)  # type: ignore[no-any-return]
     addr, port = _master_endpoint(env)
-    return exchange_unique_id(rank, world, addr, port, own, limit, token=token,
-                              bind=env.get("LOWGRAD_RENDEZVOUS_BIND") or None)
+    key = token_key("LOWGRAD_RENDEZVOUS_TOKEN", token)
+    bind = env.get("LOWGRAD_RENDEZVOUS_BIND") or None
+    bind = None if bind is None else check_host("LOWGRAD_RENDEZVOUS_BIND", bind)
+    own = make_id() if rank == 0 else None
+    return exchange_unique_id(rank, world, addr, port, own, limit, token=key, bind=bind)
 
 
 def _mpi_world(rank: int, world: int) -> Any:
@@ -77,13 +84,20 @@ def _mpi_world(rank: int, world: int) -> Any:
 
 
 def _master_endpoint(env: Mapping[str, str]) -> tuple[str, int]:
+    """(rank 0's address, the rendezvous port) from the environment, each checked."""
     if "MASTER_ADDR" not in env or not ("MASTER_PORT" in env or "LOWGRAD_MASTER_PORT" in env):
         raise ValueError("the unique-id rendezvous needs MASTER_ADDR and MASTER_PORT (or LOWGRAD_MASTER_PORT)")
+    addr = check_host("MASTER_ADDR", env["MASTER_ADDR"])
     name = "LOWGRAD_MASTER_PORT" if "LOWGRAD_MASTER_PORT" in env else "MASTER_PORT"
     try:
         port = int(env[name])
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{name} must be in [1, 65535], got {port}")
     if name == "MASTER_PORT" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if port == 65535:
+            raise ValueError("MASTER_PORT is 65535: under torchrun's agent store, which holds MASTER_PORT, lowgrad "
+                             "takes MASTER_PORT + 1; use a lower MASTER_PORT or set LOWGRAD_MASTER_PORT")
         port += 1
-    return env["MASTER_ADDR"], port
+    return addr, port

@@ -21,6 +21,7 @@ import socket
 import struct
 import time
 import warnings
+from typing import Any
 
 from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout
 from lowgrad.core.errors import CommTimeoutError
@@ -36,6 +37,7 @@ _OK, _BAD_AUTH, _BAD_WORLD, _BAD_RANK, _TAKEN = range(5)
 HANDSHAKE_TIMEOUT = 10.0  # seconds one connection may take from accept to reply
 _MAX_PENDING = 256  # connections in handshake at once; more are closed at accept
 _KEEP_DROPS = 8  # reasons of dropped connections quoted in rank 0's timeout error
+MAX_HOST_BYTES = 253  # the longest DNS name (RFC 1035), its final dot not counted
 
 
 def exchange_unique_id(rank: int, world: int, addr: str, port: int, uid: bytes | None,
@@ -52,7 +54,8 @@ def exchange_unique_id(rank: int, world: int, addr: str, port: int, uid: bytes |
     ends with HMAC-SHA256; without one any client reaching the port gets the id. After
     ``timeout`` seconds (absolute, from the call) rank 0 raises CommTimeoutError naming the
     missing ranks, a client CommTimeoutError; a rejected client raises ValueError (world, rank)
-    or PermissionError (token).
+    or PermissionError (token). Every argument is checked before a socket is opened: ``addr``
+    and ``bind`` as :func:`check_host` does, ``token`` as :func:`token_key` does.
     """
     for name, value in (("rank", rank), ("world", world), ("port", port)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -66,7 +69,9 @@ def exchange_unique_id(rank: int, world: int, addr: str, port: int, uid: bytes |
         raise ValueError(f"rank 0 must pass its {_ID_BYTES}-byte unique id")
     if rank != 0 and uid is not None:
         raise ValueError(f"only rank 0 passes a unique id (rank {rank} got one)")
-    key = _token_key(token)
+    key = token_key("token", token)
+    addr = check_host("addr", addr)
+    bind = None if bind is None else check_host("bind", bind)
     deadline = time.monotonic() + timeout
     if rank != 0:
         return _fetch_id(rank, world, addr, port, key, deadline, timeout, handshake_timeout)
@@ -76,14 +81,42 @@ def exchange_unique_id(rank: int, world: int, addr: str, port: int, uid: bytes |
     return bytes(uid)  # type: ignore[arg-type]
 
 
-def _token_key(token: str | bytes | None) -> bytes:
+def check_host(what: str, host: Any) -> str:
+    """``host`` (a host name or address, named ``what`` in errors: a parameter or a variable
+    such as ``MASTER_ADDR``), checked as the socket layer will encode it, so that a bad one is a
+    ValueError here and not a UnicodeError from ``getaddrinfo``: it must be a non-empty str that
+    IDNA encodes (no undecodable bytes, labels of 1 to 63 bytes) into at most
+    :data:`MAX_HOST_BYTES` bytes. TypeError for a non-str."""
+    if not isinstance(host, str):
+        raise TypeError(f"{what} must be a str (a host name or address), got {type(host).__name__}")
+    if not host:
+        raise ValueError(f"{what} is empty; set it to rank 0's host name or address")
+    if any("\udc80" <= ch <= "\udcff" for ch in host):  # how os.environ holds bytes that are not UTF-8
+        raise ValueError(f"{what}={host!r} holds bytes that are not UTF-8; set it to rank 0's host name or address")
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError as exc:
+        raise ValueError(f"{what}={host!r} is not a usable host name ({exc})") from None
+    if (n := len(encoded.removesuffix(b"."))) > MAX_HOST_BYTES:
+        raise ValueError(f"{what} is {n} bytes long ({host[:40]!r}...); a host name has at most {MAX_HOST_BYTES}")
+    return host
+
+
+def token_key(what: str, token: Any) -> bytes:
+    """The HMAC key of ``token`` (named ``what`` in errors; its value is never shown): a str as
+    UTF-8, bytes as they are, None as no key. ValueError for a str that UTF-8 cannot encode (bytes
+    of the environment that are not UTF-8), TypeError for another type."""
     if token is None:
         return b""
     if isinstance(token, str):
-        return token.encode()
+        try:
+            return token.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} cannot be encoded as UTF-8 (it holds bytes that are not UTF-8, or lone "
+                             "surrogates); use a token of UTF-8 text, e.g. secrets.token_hex(32)") from None
     if isinstance(token, (bytes, bytearray)):
         return bytes(token)
-    raise TypeError(f"token must be str, bytes or None, got {type(token).__name__}")
+    raise TypeError(f"{what} must be str, bytes or None, got {type(token).__name__}")
 
 
 def _client_mac(key: bytes, server_nonce: bytes, fields: bytes) -> bytes:
