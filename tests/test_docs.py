@@ -1,14 +1,46 @@
-"""The docs keep up with the tree: every module is placed in docs/architecture.md, every relative
-link in README.md and docs/ resolves, and nothing points outside the repository."""
+"""The docs keep up with the tree: every module is placed in docs/architecture.md (its table and
+its layer picture), design.md names every kernel module, every relative link in README.md,
+BENCHMARKS.md and docs/ resolves, nothing points outside the repository, and every fenced code
+block either runs or says that it does not.
+
+**Code blocks.** The info string after the opening fence says what a block is; its first word is
+the language (all GitHub uses for highlighting: the other words are not shown), the others are
+marks:
+
+- ```` ```python ```` and ```` ```bash ```` (also ``sh``, ``shell``) **run**, here on the host
+  backend: each block alone, in a fresh process with a timeout, in a temporary folder that holds
+  links to the repository's top-level entries (so ``python3 tools/x.py`` and ``PYTHONPATH=.``
+  work, and files a block writes stay in that folder). A block that fails fails its test, which
+  is named ``file:line`` of the opening fence.
+- ```` ```python gpu ```` (``bash gpu``) needs a GPU: tests/test_docs_gpu.py runs it in the GPU
+  suite; here it is only compiled.
+- ```` ```python fragment ```` (any language) is **not run**: a piece that names things defined
+  elsewhere, a placeholder such as ``<your loss>``, an install command, a run of minutes.
+- ```` ```text ```` is not code: output, diagrams, pseudo-code, a command synopsis.
+  ```` ```text output ```` right after a block that runs is that block's stdout, compared exactly.
+- A fence with no language, or a language that cannot run here (``cuda``, ``json`` ...) without
+  ``fragment``, fails: unmarked blocks are what goes stale. A ``bash`` block that installs
+  something (pip, apt) must be a fragment: it is refused unrun.
+
+The mark sits in the info string rather than in an HTML comment on the line before the fence
+because it travels with the block (a comment is lost when someone inserts a line or moves the
+block), it is visible to whoever edits the block, and it renders cleanly: GitHub (CommonMark)
+highlights by the info string's first word and shows none of the rest.
+"""
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"] + sorted(ROOT.glob("BENCHMARKS.md"))
 pytestmark = pytest.mark.skipif(not (ROOT / "docs").is_dir(), reason="no docs/ here (a source archive without them)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
@@ -60,3 +92,274 @@ def test_architecture_import_table_is_the_layer_rule() -> None:
         if layer and layer[0] in ALLOWED:
             rows[layer[0]] = set(re.findall(r"`([a-z_]+)`", allowed_cell.split("—")[0]))
     assert rows == ALLOWED
+
+
+# --- the modules where the docs list them --------------------------------------------------------
+
+def test_design_names_every_kernel_module() -> None:
+    """design.md's list of what ``compile_kernels`` returns is the kernel modules: one per
+    ``kernels/*.cu`` (what ``lowgrad.cuda.compiler.modules()`` reads)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    listed = re.search(r"compile_kernels\(arch\)`.*?\(modules[^:]*: ([^)]*)\)", text, re.S)
+    assert listed, "docs/design.md no longer lists the kernel modules after compile_kernels(arch)"
+    named = set(re.findall(r"`(\w+)`", listed.group(1)))
+    modules = {p.stem for p in (ROOT / "kernels").glob("*.cu")}
+    assert named == modules, (f"docs/design.md's kernel modules: missing {sorted(modules - named)}, "
+                              f"not a module {sorted(named - modules)}")
+
+
+def _layer_box(lines: list[str], label: str) -> set[str]:
+    """The words inside the box of the layer picture whose first line starts with ``label``."""
+    for i, line in enumerate(lines):
+        col = line.find(f"| {label}")
+        if col < 0:
+            continue
+        right = line.index("|", col + 1)
+        words: set[str] = set()
+        for row in lines[i:]:
+            if row[col:col + 1] != "|":
+                break
+            words |= set(re.findall(r"[a-z_]+", row[col + 1:right]))
+        return words
+    raise AssertionError(f"the layer picture of docs/architecture.md has no box {label!r}")
+
+
+def test_architecture_picture_names_every_module() -> None:
+    """Each folder's box in the layer picture names every module of that folder, and the
+    picture names the top-level modules."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    start = text.index("## The layers")
+    picture = next(b for b in parse_blocks(ROOT / "docs" / "architecture.md") if b.offset > start)
+    lines = picture.code.splitlines()
+    pkg = ROOT / "lowgrad"
+    missing = []
+    for folder in sorted(p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()):
+        box = _layer_box(lines, f"{folder}/")
+        missing += [f"{folder}/{p.stem}" for p in sorted((pkg / folder).glob("*.py"))
+                    if p.stem != "__init__" and p.stem not in box]
+    missing += [p.name for p in sorted(pkg.glob("*.py")) if p.name not in picture.code]
+    assert not missing, f"docs/architecture.md's layer picture (line {picture.line}) does not name: {missing}"
+
+
+# --- fenced code blocks ---------------------------------------------------------------------------
+
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
+RUNNERS = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
+NOT_CODE = {"text"}
+MARKS = {"fragment", "gpu", "output"}
+INSTALLS = re.compile(r"\b(pip3?|python3? -m pip|uv pip|apt(-get)?|conda|brew)\b[^\n]*\binstall\b")
+HINT = ("Mark a block that is not meant to run: ```python fragment (or bash fragment, ...); ```text for "
+        "output, diagrams and pseudo-code; ```python gpu for a block that needs a GPU "
+        "(tests/test_docs.py says more).")
+CODE_DOCS = DOCS  # README.md, BENCHMARKS.md and docs/*.md
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: where its opening fence is, its info string and its content (the
+    fence's indentation removed)."""
+
+    path: Path
+    line: int  # 1-based line of the opening fence
+    offset: int  # character offset of the opening fence
+    info: str
+    code: str
+    closed: bool = True
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def lang(self) -> str:
+        words = self.info.split()
+        return words[0] if words else ""
+
+    @property
+    def marks(self) -> set[str]:
+        return set(self.info.split()[1:])
+
+    @property
+    def first_line(self) -> str:
+        return next((ln.strip() for ln in self.code.splitlines() if ln.strip()), "")
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """Every fenced block of a Markdown file (CommonMark fences: three or more backticks or
+    tildes; the closing fence has the same character and at least the same length)."""
+    lines = path.read_text().splitlines(keepends=True)
+    out: list[Block] = []
+    offset, i = 0, 0
+    offsets = [0]
+    for ln in lines:
+        offsets.append(offsets[-1] + len(ln))
+    while i < len(lines):
+        m = FENCE.match(lines[i].rstrip("\n"))
+        if not m or (m.group(2)[0] == "`" and "`" in m.group(3)):
+            i += 1
+            continue
+        indent, fence, info = len(m.group(1).expandtabs()), m.group(2), m.group(3).strip()
+        close = re.compile(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        body, j = [], i + 1
+        while j < len(lines) and not close.match(lines[j].rstrip("\n")):
+            ln = lines[j].expandtabs()
+            strip = min(indent, len(ln) - len(ln.lstrip(" ")))
+            body.append(ln[strip:])
+            j += 1
+        out.append(Block(path, i + 1, offsets[i], info, "".join(body), closed=j < len(lines)))
+        i = j + 1
+    return out
+
+
+# Blocks in pages that other engineers own today, waiting for their marks (the owner adds the
+# mark named here; the entry then matches nothing and may go). Keyed by file and the block's
+# first line, so an edited block is judged afresh. Not run.
+PENDING = {
+    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install \".[cu12]\" && python -m lowgrad demo"):
+        "bash fragment (installs)",
+    ("README.md", "lowgrad/             the package; its folders are its layers (docs/architecture.md)"): "text",
+    ("README.md", "for m in range(M):                              # step 0 eagerly: compiles, warms lazy buffers"):
+        "python fragment (micro_step, gm, s, steps come from the example above)",
+    ("docs/cli.md", 'lowgrad --version          # "lowgrad 0.1.0"'): "text (a synopsis)",
+    ("docs/cli.md", '{"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from /.../libnvrtc.so.12; kernel sources /.../kernels"}'):
+        "text (sample output)",
+    ("docs/cli.md", "lowgrad-trace 10664.2063 lowgrad-rank0 collective all_reduce rank=0 tensor=g count=8 dtype=fp32 stream=0x0 op=sum"):
+        "text (sample output)",
+    ("docs/protocol.md", "gm = lowgrad.create_gradient_manager(layout, comm, strategy=\"scatter_reduce\", offload=False,"):
+        "python fragment (layout, comm)",
+    ("docs/protocol.md", "gm.start_micro_step(s, m, M)"): "python fragment (placeholders in <...>)",
+    ("docs/protocol.md", "shards = gm.block_shard(layer, s)        # Container of this rank's shards of one layer"):
+        "python fragment (gm, layer, name, s)",
+    ("docs/protocol.md", "engine stream s                               communication stream"): "text (a diagram)",
+    ("docs/protocol.md", "for m in range(M):                       # one eager step first: compiles kernels, allocates scratch"):
+        "python fragment (micro_step, gm, s, M)",
+    ("docs/torch.md", "import lowgrad, lowgrad.torch"): "python fragment (model, comm, loss_fn, batch, M)",
+    ("docs/torch.md", "opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, lr=3e-4)"):
+        "python fragment (attached; `...` stands for the micro-steps)",
+}
+
+
+def all_blocks() -> list[Block]:
+    return [b for doc in CODE_DOCS for b in parse_blocks(doc)]
+
+
+def output_of(block: Block) -> Block | None:
+    """The ```text output block right after ``block`` in its file, if any."""
+    blocks = parse_blocks(block.path)
+    i = next(k for k, b in enumerate(blocks) if b.line == block.line)
+    nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+    return nxt if nxt is not None and nxt.lang == "text" and "output" in nxt.marks else None
+
+
+def judge(block: Block) -> tuple[str, str]:
+    """(kind, why): kind is "run", "gpu", "fragment", "text" or "bad" (``why`` says what is wrong)."""
+    if not block.closed:
+        return "bad", "the fence is never closed"
+    if not block.lang:
+        return "bad", "unmarked block (no language after the fence)"
+    unknown = block.marks - MARKS
+    if unknown:
+        return "bad", f"unknown word(s) {sorted(unknown)} after the language (the marks are {sorted(MARKS)})"
+    if block.lang in NOT_CODE:
+        if "output" in block.marks:
+            blocks = parse_blocks(block.path)
+            i = next(k for k, b in enumerate(blocks) if b.line == block.line)
+            before = blocks[i - 1] if i else None
+            if before is None or judge(before)[0] not in ("run", "gpu"):
+                return "bad", "a ```text output block must come right after a block that runs"
+        return "text", ""
+    if "fragment" in block.marks:
+        return "fragment", ""
+    if "output" in block.marks:
+        return "bad", "only a ```text block can be an output"
+    if block.lang not in RUNNERS:
+        return "bad", f"a ```{block.lang} block cannot run here: mark it ```{block.lang} fragment"
+    if RUNNERS[block.lang] == "bash" and INSTALLS.search(block.code):
+        return "bad", "it installs something: such a block must be a ```bash fragment (refused unrun)"
+    return ("gpu" if "gpu" in block.marks else "run"), ""
+
+
+def pending(block: Block) -> str | None:
+    return PENDING.get((str(block.path.relative_to(ROOT)), block.first_line))
+
+
+def run_block(block: Block, tmp_path: Path, timeout: float) -> None:
+    """Run a block alone in a fresh process, in a folder of links to the repository's top-level
+    entries; fail with the block's file and line when it exits non-zero, times out, or prints
+    something other than its ```text output block."""
+    work = tmp_path / "doc-block"
+    work.mkdir(parents=True)
+    for entry in ROOT.iterdir():
+        if entry.name not in (".git", ".venv", "__pycache__") and not entry.name.startswith(".pytest"):
+            (work / entry.name).symlink_to(entry)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+               MPLBACKEND="Agg")
+    env.pop("LOWGRAD_TRACE", None)
+    if RUNNERS[block.lang] == "python":
+        script = work / "_doc_block.py"
+        cmd = [sys.executable, str(script)]
+    else:
+        script = work / "_doc_block.sh"
+        cmd = ["bash", "-e", "-o", "pipefail", str(script)]
+    script.write_text(block.code)
+    what = f"{block.where}: the ```{block.info} block"
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=work, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish in {timeout:.0f} s. {HINT}", pytrace=False)
+    if res.returncode != 0:
+        tail = "\n".join((res.stderr or res.stdout).rstrip().splitlines()[-25:])
+        pytest.fail(f"{what} exited with status {res.returncode}:\n{tail}\n{HINT}", pytrace=False)
+    want = output_of(block)
+    if want is not None and res.stdout != want.code:
+        pytest.fail(f"{what} printed\n{res.stdout}\nbut its ```text output block ({want.where}) says\n{want.code}",
+                    pytrace=False)
+
+
+def block_params(kinds: set[str]) -> list:
+    out = []
+    for b in all_blocks():
+        reason = pending(b)
+        if reason is not None and judge(b)[0] in ("bad", "run", "gpu"):
+            out.append(pytest.param(b, id=b.where, marks=pytest.mark.xfail(
+                run=False, reason=f"{b.where}: waits for its owner to mark it ```{reason}")))
+        elif judge(b)[0] in kinds:
+            out.append(pytest.param(b, id=b.where))
+    return out
+
+
+@pytest.mark.parametrize("block", block_params({"run", "gpu", "fragment", "text", "bad"}))
+def test_doc_code_block(block: Block, tmp_path: Path) -> None:
+    """Every fenced block of README.md, BENCHMARKS.md and docs/*.md: a runnable one runs (a
+    ```python gpu one only compiles here), a fragment or text block is left alone, an unmarked
+    one fails. The test's id is the file and line of the block's opening fence."""
+    kind, why = judge(block)
+    if kind == "bad":
+        pytest.fail(f"{block.where}: ```{block.info}: {why}. {HINT}", pytrace=False)
+    if kind == "gpu" and RUNNERS[block.lang] == "python":
+        compile(block.code, block.where, "exec")
+    if kind == "run":
+        run_block(block, tmp_path, timeout=120)
+
+
+def test_block_parser_finds_fences_and_marks(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("text\n\n```python fragment\nx = 1\n```\n\n- item\n\n  ```\n  plain\n  ```\n\n"
+                   "````text\n```\nnested\n```\n````\n\n```python\nprint(1)\n```\n\n```text output\n1\n```\n")
+    blocks = parse_blocks(doc)
+    assert [(b.line, b.lang, sorted(b.marks)) for b in blocks] == [
+        (3, "python", ["fragment"]), (9, "", []), (13, "text", []), (19, "python", []), (23, "text", ["output"])]
+    assert blocks[1].code == "plain\n" and blocks[2].code == "```\nnested\n```\n"
+    assert [judge(b)[0] for b in blocks] == ["fragment", "bad", "text", "run", "text"]
+    assert output_of(blocks[3]) == blocks[4]
+
+
+def test_block_runner_names_file_and_line(tmp_path: Path) -> None:
+    """A block that fails reports where it is; an output block is compared."""
+    doc = ROOT / "docs" / "x.md"  # a path under ROOT for the message; never written
+    bad = Block(doc, 7, 0, "python", "raise SystemExit('boom')\n")
+    with pytest.raises(pytest.fail.Exception, match=r"docs/x.md:7: the ```python block exited with status 1:\nboom"):
+        run_block(bad, tmp_path / "a", timeout=60)
+    install = Block(doc, 9, 0, "bash", "pip install lowgrad\n")
+    assert judge(install)[0] == "bad"
