@@ -38,6 +38,9 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     compute-bound (a transformer's backward), the communication stream when it is a stream of
     memory-bound kernels (docs/protocol.md).
     """
+    if not isinstance(strategy, str):  # a list or dict would fail the lookup as "unhashable"
+        raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}; got {type(strategy).__name__} "
+                        f"{strategy!r}")
     try:
         cls = STRATEGIES[strategy]
     except KeyError:
