@@ -29,6 +29,7 @@ highlights by the info string's first word and shows none of the rest.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -363,3 +364,49 @@ def test_block_runner_names_file_and_line(tmp_path: Path) -> None:
         run_block(bad, tmp_path / "a", timeout=60)
     install = Block(doc, 9, 0, "bash", "pip install lowgrad\n")
     assert judge(install)[0] == "bad"
+
+
+# --- BENCHMARKS.md's summary ----------------------------------------------------------------------
+
+def _summarize():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "summarize.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+benchmarks_here = pytest.mark.skipif(not (ROOT / "benchmarks" / "runs.json").is_file(),
+                                     reason="no benchmarks/ here (a source archive without them)")
+
+
+@benchmarks_here
+def test_benchmarks_summary_is_what_the_runs_give() -> None:
+    """The table at the top of BENCHMARKS.md is benchmarks/summarize.py's output for the committed
+    runs, to the character: edit benchmarks/runs.json or the run files, then regenerate."""
+    s = _summarize()
+    committed = s.committed_block((ROOT / "BENCHMARKS.md").read_text())
+    assert committed == s.render(), ("BENCHMARKS.md's summary is not what benchmarks/runs.json gives: "
+                                     "run `python benchmarks/summarize.py` and commit the result")
+
+
+@benchmarks_here
+def test_benchmarks_summary_takes_the_newest_run(tmp_path: Path) -> None:
+    """A later run that measured the same thing replaces the earlier one's row, commit included."""
+    s = _summarize()
+    runs = json.loads((ROOT / "benchmarks" / "runs.json").read_text())
+    newest = max(runs["runs"], key=lambda r: r["run"])
+    later = dict(newest, run=newest["run"] + 1, commit="abcdef0", sources={"manager": newest["sources"]["manager"]})
+    later.pop("commit_note", None)
+    runs["runs"].append(later)
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    for r in runs["runs"]:
+        if not (tmp_path / r["folder"]).exists():
+            (tmp_path / r["folder"]).symlink_to(ROOT / "benchmarks" / r["folder"])
+    table = s.render(s.Runs(tmp_path))
+    manager_rows = [ln for ln in table.splitlines() if ln.startswith("| Gradient manager micro-step")]
+    assert manager_rows and all(ln.endswith(f"| {later['run']} · {later['date']} · H200 · `abcdef0` |")
+                                for ln in manager_rows)
+    assert sum("`abcdef0`" in ln for ln in table.splitlines()) == len(manager_rows)
