@@ -14,6 +14,7 @@ from typing import Any
 from lowgrad.core.backend import DeviceBase
 from lowgrad.core.collective import CommBase, check_timeout
 from lowgrad.core.errors import CommAbortedError
+from lowgrad.core.integers import integer
 from lowgrad.core.rendezvous import launcher_env, unique_id_from_env
 
 _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the caller raises
@@ -37,7 +38,8 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     within a few seconds of the failure are left behind as daemon threads.
     ``timeout`` (seconds) bounds initialisation and every wait of the communicators.
     """
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+    world = integer("world", world)
+    if world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
     if backend not in ("host", "cuda"):
         raise ValueError(f"backend must be 'host' or 'cuda', got {backend!r}")

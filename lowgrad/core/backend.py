@@ -22,6 +22,7 @@ import numpy as np
 
 from lowgrad.core import capture, release, trace
 from lowgrad.core.dtypes import DType, as_dtype
+from lowgrad.core.integers import integer
 from lowgrad.core.kernels import Kernels
 from lowgrad.core.memory import (
     Allocation,
@@ -85,10 +86,9 @@ class Stream(Protocol):
 
 
 def check_priority(device: DeviceBase, priority: Any) -> int:
-    """``priority`` as a stream priority of ``device``: an int within its range (TypeError,
-    ValueError otherwise)."""
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise TypeError(f"stream priority must be an int, got {type(priority).__name__} {priority!r}")
+    """``priority`` as a stream priority of ``device``: a Python or NumPy integer within its
+    range (TypeError, ValueError otherwise)."""
+    priority = integer("stream priority", priority)
     lo, hi = device.stream_priority_range
     if not min(lo, hi) <= priority <= max(lo, hi):
         raise ValueError(f"stream priority {priority} outside the device's range [{hi}, {lo}]")

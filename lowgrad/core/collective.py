@@ -14,6 +14,7 @@ from numbers import Real
 from typing import Any
 
 from lowgrad.core.errors import ClosedError, CommAbortedError
+from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
 
@@ -69,7 +70,9 @@ def check_tensor(comm: CommBase, call: str, t: Any, what: str = "t", divisible: 
 
 
 def check_peer(comm: CommBase, call: str, peer: Any) -> int:
-    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < comm.world:
+    """``peer`` (a Python or NumPy integer) as a rank of ``comm``."""
+    peer = integer(f"{call}: peer", peer)
+    if not 0 <= peer < comm.world:
         raise ValueError(f"{call}: peer {peer!r} outside [0, {comm.world})")
     return peer
 
@@ -128,9 +131,10 @@ class CommBase(ABC):
     meets_peers_on_host: bool = False
 
     def _init_base(self, rank: int, world: int, device: Any, timeout: float | None) -> None:
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        world, rank = integer("world", world), integer("rank", rank)
+        if world < 1:
             raise ValueError(f"world must be a positive int, got {world!r}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        if not 0 <= rank < world:
             raise ValueError(f"rank {rank!r} outside [0, {world})")
         self.rank, self.world, self.device, self.timeout = rank, world, device, check_timeout(timeout)
         self._state = "open"  # "open" | "aborted" | "closed"

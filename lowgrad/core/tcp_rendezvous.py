@@ -25,6 +25,7 @@ from typing import Any
 
 from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout
 from lowgrad.core.errors import CommTimeoutError
+from lowgrad.core.integers import integer
 
 _MAGIC = b"LGRDV\x00\x02\x00"
 _NONCE = 32
@@ -57,9 +58,7 @@ def exchange_unique_id(rank: int, world: int, addr: str, port: int, uid: bytes |
     or PermissionError (token). Every argument is checked before a socket is opened: ``addr``
     and ``bind`` as :func:`check_host` does, ``token`` as :func:`token_key` does.
     """
-    for name, value in (("rank", rank), ("world", world), ("port", port)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+    rank, world, port = integer("rank", rank), integer("world", world), integer("port", port)
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside [0, world={world})")
     if not 0 < port < 65536 and world > 1:

@@ -18,6 +18,7 @@ import numpy as np
 from lowgrad.core import dlpack
 from lowgrad.core.dtypes import DType, as_dtype
 from lowgrad.core.errors import ClosedError
+from lowgrad.core.integers import integer
 from lowgrad.core.memory import Allocation, align_up, check_kind
 
 
@@ -215,12 +216,14 @@ class Tensor:
 
 
 def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
-    """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0."""
+    """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0 (``rank`` and
+    ``world`` Python or NumPy integers)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"shard_view needs a lowgrad Tensor, got {type(t).__name__}")
-    if type(world) is not int or world < 1:
+    world, rank = integer("world", world), integer("rank", rank)
+    if world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
-    if type(rank) is not int or not 0 <= rank < world:
+    if not 0 <= rank < world:
         raise ValueError(f"rank {rank!r} outside [0, {world})")
     if not t.shape:
         raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")

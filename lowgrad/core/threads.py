@@ -18,6 +18,7 @@ from typing import Any
 
 from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout, wait_slice
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
+from lowgrad.core.integers import integer
 
 _MISSING = object()
 
@@ -31,7 +32,8 @@ class ThreadCollective:
     """
 
     def __init__(self, world: int, timeout: float | None = DEFAULT_TIMEOUT) -> None:
-        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        world = integer("world", world)
+        if world < 1:
             raise ValueError(f"world must be a positive int, got {world!r}")
         self.world, self.timeout = world, check_timeout(timeout)
         self._cv = threading.Condition()

@@ -10,6 +10,7 @@ import numpy as np
 
 from lowgrad.core import capture, release
 from lowgrad.core.backend import DeviceBase
+from lowgrad.core.integers import integer
 from lowgrad.core.kernels import Kernels
 from lowgrad.core.limits import HOST_ALLOC_LIMIT
 from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
@@ -36,8 +37,7 @@ class Device(DeviceBase):
     stream_type = Stream
 
     def __new__(cls, ordinal: int = 0) -> Device:
-        if not isinstance(ordinal, int) or isinstance(ordinal, bool):
-            raise TypeError(f"device ordinal must be an int, got {type(ordinal).__name__}")
+        ordinal = integer("device ordinal", ordinal)
         with _devices_lock:
             dev = _devices.get(ordinal)
             if dev is None:

@@ -64,6 +64,7 @@ from lowgrad.core import capture, trace
 from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
 from lowgrad.core.dtypes import bf16, byte, fp16, fp32, fp64
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
+from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.core.threads import ThreadCollective
@@ -99,7 +100,8 @@ class LoopbackGroup:
         if not callable(getattr(getattr(device, "kernels", None), "kernel", None)):
             raise TypeError(f"the loopback communicator needs a device that launches CUDA kernels (a lowgrad.Device), "
                             f"got {device!r}")
-        if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
+        world = integer("loopback world", world)
+        if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
         queues = hardware_queues()
         if world > queues:
@@ -575,7 +577,8 @@ class LoopbackCommunicator(CommBase):
 def spin(device: Any, stream: StreamLike, ns: int) -> None:
     """Keep ``stream`` busy on ``device`` for ``ns`` nanoseconds (one thread waiting on the GPU's
     clock; asynchronous): a slow engine kernel for race hunting."""
-    if not isinstance(ns, int) or isinstance(ns, bool) or not 0 <= ns < 1 << 64:
+    ns = integer("spin: ns", ns)
+    if not 0 <= ns < 1 << 64:
         raise ValueError(f"spin: ns must be an int in [0, 2**64), got {ns!r}")
     k = device.kernels.kernel(kernel("loopback_delay"))
     k.launch(1, stream_handle(stream), ns)

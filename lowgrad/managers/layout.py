@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from lowgrad.core.dtypes import DType, as_dtype
+from lowgrad.core.integers import integer
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,7 @@ class Layout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "block", _specs("block", self.block))
         object.__setattr__(self, "non_block", _specs("non_block", self.non_block))
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int):
-            raise TypeError(f"Layout num_layers must be an int, got {self.num_layers!r}")
+        object.__setattr__(self, "num_layers", integer("Layout num_layers", self.num_layers))
         if self.num_layers < 1:
             raise ValueError(f"Layout num_layers must be >= 1, got {self.num_layers}")
 
@@ -123,8 +123,7 @@ class Layout:
     def check_world(self, world: int) -> None:
         """Raise ValueError naming the parameter, its shape and ``world`` if any parameter's dim 0
         is not divisible by ``world`` (sharding splits dim 0 into ``world`` equal slices)."""
-        if isinstance(world, bool) or not isinstance(world, int):
-            raise TypeError(f"world must be an int, got {world!r}")
+        world = integer("world", world)
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
         for kind, specs in (("block", self.block), ("non-block", self.non_block)):
