@@ -36,17 +36,13 @@ from lowgrad import ops
 from lowgrad.core import capture
 from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
 from lowgrad.core.errors import ClosedError, ProtocolError
+from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.nonblock import NonBlockGradients
-from lowgrad.managers.protocol import (
-    MicroStepState,
-    check_step,
-    check_step_room,
-    integer,
-)
+from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import Recording
 from lowgrad.managers.state import ManagerState
 from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding

@@ -12,18 +12,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from lowgrad.core.errors import ProtocolError
+from lowgrad.core.integers import integer
 from lowgrad.sr.seedcounter import LAST_STEP
-
-
-def integer(what: str, value: Any) -> int:
-    """``value`` as an int; TypeError for anything but a Python or NumPy integer (bools and
-    floats included, even integral ones)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
 
 
 def check_step(what: str, value: Any) -> int:

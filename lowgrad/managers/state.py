@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from lowgrad import ops
-from lowgrad.managers.protocol import check_step, integer
+from lowgrad.core.integers import integer
+from lowgrad.managers.protocol import check_step
 from lowgrad.sr.seedcounter import check_rounding
 
 #: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
