@@ -18,6 +18,10 @@ from lowgrad.core.integers import integer
 from lowgrad.core.rendezvous import launcher_env, unique_id_from_env
 
 _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the caller raises
+# a backend's ranks: make(rank, failed) builds rank's communicator; tell(reason) fails the whole
+# group with ``reason`` before the communicators are aborted, so that every rank hears it
+_Factory = Callable[[int, threading.Event], CommBase]
+_Tell = Callable[[str], None]
 
 
 def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
@@ -34,8 +38,10 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     kernels ordered on the device (a test and development vehicle for world > 1 on one GPU;
     results equal the host backend's bit for bit). Communicators are
     closed when ``fn`` returns. An exception in any rank aborts every other rank's
-    communicator and is re-raised here (its notes name the rank); ranks that do not unwind
-    within a few seconds of the failure are left behind as daemon threads.
+    communicator and is re-raised here (its notes name the rank); on the host backend and the
+    loopback the other ranks' calls raise CommAbortedError saying which rank failed and why
+    (``rank 1 failed: RuntimeError: boom; the communicator was aborted``). Ranks that do not
+    unwind within a few seconds of the failure are left behind as daemon threads.
     ``timeout`` (seconds) bounds initialisation and every wait of the communicators.
     """
     world = integer("world", world)
@@ -47,9 +53,9 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
         raise ValueError("share_gpu=True needs backend='cuda' (host ranks share the CPU already)")
     limit = check_timeout(timeout)
     if backend == "host":
-        make = _host_factory(world, limit)
+        make, tell = _host_factory(world, limit)
     else:
-        make = _cuda_factory(world, limit) if share_gpu is False else _loopback_factory(world, limit, share_gpu)
+        make, tell = _cuda_factory(world, limit) if share_gpu is False else _loopback_factory(world, limit, share_gpu)
 
     failed = threading.Event()
     comms: list[CommBase | None] = [None] * world
@@ -57,7 +63,8 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     errors: list[tuple[int, BaseException]] = []
     lock = threading.Lock()
 
-    def fail_all() -> None:
+    def fail_all(reason: str) -> None:
+        tell(reason)  # first: a rank that sees ``failed`` aborts its new communicator, whose reason must lose
         failed.set()
         for c in list(comms):
             if c is not None:
@@ -77,7 +84,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             with lock:
                 errors.append((rank, exc))
-            fail_all()
+            fail_all(f"rank {rank} failed: {_describe(exc)}; the communicator was aborted")
 
     threads = [threading.Thread(target=body, args=(r,), name=f"lowgrad-rank{r}", daemon=True)
                for r in range(world)]
@@ -92,8 +99,9 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
                     break
             for t in threads:
                 t.join(0.02)
-    except BaseException:
-        fail_all()
+    except BaseException as interrupt:
+        fail_all(f"run_threads was interrupted in the calling thread ({_describe(interrupt)}); the communicator "
+                 "was aborted")
         raise
     if errors:
         primary = next(((r, e) for r, e in errors if not isinstance(e, CommAbortedError)), errors[0])
@@ -104,16 +112,23 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     return results
 
 
-def _host_factory(world: int, timeout: float) -> Callable[[int, threading.Event], CommBase]:
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` (just ``Type`` when the message is empty)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _host_factory(world: int, timeout: float) -> tuple[_Factory, _Tell]:
     from lowgrad.core.threads import ThreadCollective
     from lowgrad.host.communicator import HostCommunicator
     from lowgrad.host.device import HostDevice
 
     collective = ThreadCollective(world, timeout)
-    return lambda rank, _failed: HostCommunicator(rank, world, collective, HostDevice(f"host{rank}"), timeout)
+    return (lambda rank, _failed: HostCommunicator(rank, world, collective, HostDevice(f"host{rank}"), timeout),
+            collective.abort)
 
 
-def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event], CommBase]:
+def _cuda_factory(world: int, timeout: float) -> tuple[_Factory, _Tell]:
     from lowgrad.cuda import driver, nccl
     from lowgrad.cuda.communicator import Communicator
     from lowgrad.cuda.device import Device, device_count
@@ -128,10 +143,11 @@ def _cuda_factory(world: int, timeout: float) -> Callable[[int, threading.Event]
         dev = Device(rank)
         dev.activate()
         return Communicator(rank, world, uid, dev, timeout, abort_event=failed)
-    return make
+    # NCCL ranks share no object that could carry the reason: ``failed`` aborts their waits
+    return make, lambda _reason: None
 
 
-def _loopback_factory(world: int, timeout: float, share: Any) -> Callable[[int, threading.Event], CommBase]:
+def _loopback_factory(world: int, timeout: float, share: Any) -> tuple[_Factory, _Tell]:
     from lowgrad.cuda.device import Device
     from lowgrad.cuda.loopback import LoopbackCommunicator, LoopbackGroup
 
@@ -150,7 +166,7 @@ def _loopback_factory(world: int, timeout: float, share: Any) -> Callable[[int, 
     def make(rank: int, _failed: threading.Event) -> CommBase:
         dev.activate()
         return LoopbackCommunicator(rank, group, timeout)
-    return make
+    return make, group.abort
 
 
 def from_env(device: Any = None, timeout: float | None = None) -> Any:

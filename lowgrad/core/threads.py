@@ -47,8 +47,15 @@ class ThreadCollective:
     def failed(self) -> bool:
         return self._failure is not None
 
+    def error(self) -> Exception | None:
+        """What every pending and later call of every rank raises once the collective failed (the
+        first failure's type and reason), or None."""
+        failure = self._failure
+        return None if failure is None else failure[0](failure[1])
+
     def abort(self, reason: str, exc_type: type[Exception] = CommAbortedError) -> None:
-        """Fail every pending and later call of every rank with ``exc_type(reason)``."""
+        """Fail every pending and later call of every rank with ``exc_type(reason)``; the first
+        reason given stays, so that every rank is told the failure that started it."""
         with self._cv:
             if self._failure is None:
                 self._failure = (exc_type, reason)
@@ -70,8 +77,7 @@ class ThreadCollective:
                        "which left the communicator (close()); aborted")
 
     def _raise_failure(self) -> None:
-        cls, msg = self._failure  # type: ignore[misc]
-        raise cls(msg)
+        raise self.error()  # type: ignore[misc]  # called once the collective failed
 
     def _fail(self, exc_type: type[Exception], msg: str) -> None:
         """Fail the collective for every rank and raise (the condition's lock is held)."""

@@ -41,10 +41,10 @@ dtype (round to nearest even); byte tensors wrap as uint8 (``avg``: integer divi
 
 Failures surface in bounded time: the threads' meeting and each device-side wait last at most
 ``timeout`` seconds (then CommTimeoutError naming the missing rank), and stop at once when a
-rank aborts (``abort()``, or ``run_threads`` after an exception in any rank: CommAbortedError)
-or left (``close()``: CommAbortedError naming it). A device-side failure is recorded in pinned
-memory, every later loopback kernel does nothing, and :meth:`LoopbackCommunicator.wait` raises
-it. Ranks that disagree on a collective (call, dtype, element count, op), or a send and its
+rank aborts (``abort()``, or ``run_threads`` after an exception in any rank: CommAbortedError
+naming the rank, and under ``run_threads`` the exception it raised) or left (``close()``:
+CommAbortedError naming it). A device-side failure is recorded in pinned memory, every later
+loopback kernel does nothing, and :meth:`LoopbackCommunicator.wait` raises it. Ranks that disagree on a collective (call, dtype, element count, op), or a send and its
 receive, all raise the same ValueError before anything is queued.
 
 Debugging aid: ``LOWGRAD_LOOPBACK_JITTER_US=N`` delays each sync on the device by a random
@@ -163,11 +163,11 @@ class LoopbackGroup:
                                  f"it; rank {peer} receives {their_recvs} and sends {their_sends} (dtype, elements): "
                                  "each send must match its receive")
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "a rank aborted the loopback communicator") -> None:
         """Stop every rank's pending and later loopback work, on the device and on the host
-        (CommAbortedError)."""
+        (CommAbortedError saying ``reason``, unless the group failed for another reason first)."""
+        self.meet.abort(reason)  # first, so that a device wait the flag stops finds the reason recorded
         self.status[_C["LB_ABORT"]] = 1
-        self.meet.abort("a rank aborted the loopback communicator")
 
     def leave(self, rank: int) -> None:
         self.status[_C["LB_LEFT"] + rank] = 1
@@ -178,6 +178,8 @@ class LoopbackGroup:
         code = int(self.status[_C["LB_ERROR"]])
         if not code:
             return None
+        if code == _C["LB_ERR_ABORTED"] and (why := self.meet.error()) is not None:
+            return why  # who aborted and why, rather than that a device wait was stopped
         cls, what = _ERRORS.get(code, (CommAbortedError, "failed (error {code})"))
         waiter, peer = int(self.status[_C["LB_WAITER"]]), int(self.status[_C["LB_PEER"]])
         return cls(f"loopback communicator: rank {waiter} " + what.format(peer=peer, code=code)
@@ -217,6 +219,9 @@ class LoopbackCommunicator(CommBase):
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
+        why = self.shared.meet.error() if self._state == "aborted" else None
+        if why is not None:  # the reason the group failed, not just "aborted"
+            raise why
         super()._check_open(call)
         err = self.shared.error(self.rank)
         if err is not None:
@@ -558,7 +563,7 @@ class LoopbackCommunicator(CommBase):
         waits end, later calls and waits raise CommAbortedError."""
         if self._state == "open":
             self._state = "aborted"
-            self.shared.abort()
+            self.shared.abort(f"rank {self.rank} aborted the loopback communicator")
 
     def close(self) -> None:
         """Wait (bounded by ``timeout``) until this rank's queued collectives have run, then leave:

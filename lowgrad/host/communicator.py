@@ -7,11 +7,12 @@ exit, sends first, so grouped send/recv pairs cannot deadlock). Reductions follo
 :func:`~lowgrad.host.collective.host_reduce`.
 
 Failures never hang: a rank that raises or aborts wakes the others with
-:class:`~lowgrad.core.errors.CommAbortedError`; a rank that left (``close()``) makes every rank that
-waits for it, then or later, raise CommAbortedError naming it at once (what it sent before leaving
-is still delivered); a rank that does not arrive within the timeout (``inf``: no limit) gives
-:class:`~lowgrad.core.errors.CommTimeoutError` in every waiting rank. Ranks that disagree on a
-collective (call, dtype, size, op) all raise the same ``ValueError``.
+:class:`~lowgrad.core.errors.CommAbortedError` saying which rank it was and, under
+:func:`~lowgrad.run_threads`, the exception it raised; a rank that left (``close()``) makes every
+rank that waits for it, then or later, raise CommAbortedError naming it at once (what it sent
+before leaving is still delivered); a rank that does not arrive within the timeout (``inf``: no
+limit) gives :class:`~lowgrad.core.errors.CommTimeoutError` in every waiting rank. Ranks that
+disagree on a collective (call, dtype, size, op) all raise the same ``ValueError``.
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ class HostCommunicator(CommBase):
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
-        super()._check_open(call)
-        if self.collective.failed:
+        err = None if self._state == "closed" else self.collective.error()
+        if err is not None:  # the reason the collective failed, not just "aborted"
             self._state = "aborted"
-            self.collective._raise_failure()
+            raise err
+        super()._check_open(call)
 
     def _run(self, fn: Any, is_send: bool = False) -> None:
         if self._group is not None:
