@@ -36,7 +36,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import CannotRun, Parser, float_list, int_list, output_help, output_path, run  # noqa: E402
+
 from lowgrad.core.dtypes import bf16  # noqa: E402
 from lowgrad.sr.reference import add_sr  # noqa: E402
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings  # noqa: E402
@@ -140,7 +142,7 @@ def load_grads(path: str) -> list[np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser("accuracy", description=__doc__.split("\n\n")[0] + " Runs on the CPU (numpy).")
     p.add_argument("--grads", help=".npy (M, n) or .npz of your gradients, one array per micro-step")
     p.add_argument("--sigma", default="0,1,10", help="synthetic: noise scales (comma list)")
     p.add_argument("--micro", default=None,
@@ -148,19 +150,29 @@ def main(argv: list[str] | None = None) -> int:
                         "micro-steps of the file (default: all of them)")
     p.add_argument("--n", type=int, default=4096, help="synthetic: elements")
     p.add_argument("--seed", type=int, default=1, help="base seed of the SR noise")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "accuracy.json"))
+    p.add_argument("--json", help=output_help("accuracy.json"))
     args = p.parse_args(argv)
+    try:
+        sigmas, micros = float_list(args.sigma), int_list(1)(args.micro) if args.micro else None
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--sigma/--micro: {exc}")
+    if args.n < 1:
+        p.error("--n must be at least 1")
+    args.json = output_path("accuracy.json", args.json)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     if args.grads:
-        grads = load_grads(args.grads)
-        counts = [int(m) for m in args.micro.split(",") if int(m) <= len(grads)] if args.micro else [len(grads)]
-        for micro in counts or [len(grads)]:
-            rows.append({"source": os.path.basename(args.grads), "micro": micro, "n": grads[0].size,
-                         **errors(grads[:micro], args.seed)})
+        try:
+            grads = load_grads(args.grads)
+            counts = [m for m in micros if m <= len(grads)] if micros else [len(grads)]
+            for micro in counts or [len(grads)]:
+                rows.append({"source": os.path.basename(args.grads), "micro": micro, "n": grads[0].size,
+                             **errors(grads[:micro], args.seed)})
+        except (OSError, ValueError, TypeError) as exc:  # missing, unreadable, not gradients, not finite
+            raise CannotRun(f"--grads {args.grads}: {exc}") from None
     else:
-        for sigma in (float(s) for s in args.sigma.split(",")):
-            for micro in (int(m) for m in (args.micro or "16,256,4096").split(",")):
+        for sigma in sigmas:
+            for micro in micros or [16, 256, 4096]:
                 rows.append({"source": f"synthetic sigma={sigma:g}", "sigma": sigma, "micro": micro, "n": args.n,
                              **errors(list(synthetic(sigma, micro, args.n)), args.seed)})
     print(f"accuracy: relative L2 error against a float64 sum (bias: mean error / mean |error|, %); "
@@ -172,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.json, "w") as f:
         json.dump({"rows": rows, "args": vars(args), "seconds": time.monotonic() - t0,
                    "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("accuracy", main))

@@ -27,7 +27,6 @@ what it means: docs/reproducibility.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -37,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import CannotRun, Parser, check_world, int_list, output_help, output_path, run  # noqa: E402
+
 import lowgrad as lg  # noqa: E402
 from lowgrad.host.collective import host_reduce  # noqa: E402
 
@@ -218,23 +219,27 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser("accuracy_world", description=__doc__.split("\n\n")[0] + " Runs on the CPU (host backend).")
     p.add_argument("--config", default="small", help="'small' (every dim 0 divides by 24), a preset name or a "
                    "config.json: whose block layout is used")
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--worlds", type=ints, default=[1, 2, 3, 4, 8])
-    p.add_argument("--micro-steps", type=ints, default=[4, 16, 64])
+    p.add_argument("--worlds", type=int_list(1), default=[1, 2, 3, 4, 8])
+    p.add_argument("--micro-steps", type=int_list(1), default=[4, 16, 64])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--scale", type=float, default=1e-2, help="std of the per-element mean gradient")
     p.add_argument("--noise", type=float, default=2.0, help="std of the per-micro-step, per-rank noise / scale")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "accuracy_world.json"))
+    p.add_argument("--json", help=output_help("accuracy_world.json"))
     args = p.parse_args(argv)
-    layout = make_layout(args.config, args.layers)
+    if args.layers < 1:
+        p.error("--layers must be at least 1")
+    try:
+        layout = make_layout(args.config, args.layers)
+    except (ValueError, OSError) as exc:
+        raise CannotRun(f"--config: {exc}") from None
+    for w in args.worlds:
+        check_world(layout, w, "--worlds: world")
+    args.json = output_path("accuracy_world.json", args.json)
     t0 = time.perf_counter()
     rows = measure(layout, args.worlds, args.micro_steps, args.seed, args.scale, args.noise)
     elapsed = time.perf_counter() - t0
@@ -247,8 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump({"config": args.config, "layers": args.layers, "seed": args.seed, "scale": args.scale,
                    "noise": args.noise, "date": time.strftime("%Y-%m-%d"), "seconds": elapsed,
                    "emulation_matches_manager": ok, "results": rows}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("accuracy_world", main))

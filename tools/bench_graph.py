@@ -12,7 +12,6 @@ while a second manager with the same seed runs the same steps eagerly. Prints a 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import Parser, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
+
 import lowgrad as lg  # noqa: E402
-from lowgrad.core.tensor import Tensor, span
+from lowgrad.core.tensor import Tensor, span  # noqa: E402
 
 
 def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, Tensor], stream: Any, m: int, M: int) -> None:
@@ -41,17 +42,19 @@ def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, Tensor], stream:
     gm.end_micro_step(stream)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = Parser("bench_graph", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU.")
     p.add_argument("--config", default="Qwen2.5-1.5B")
-    p.add_argument("--strategy", default="scatter_reduce")
-    p.add_argument("--micro-steps", type=int, default=4)
+    p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
+    p.add_argument("--micro-steps", type=int, default=4, help="at least 3 (first, middle and last graphs)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_graph.json"))
-    args = p.parse_args()
-    layout, M = lg.llama_layout(args.config), args.micro_steps
-    if M < 3:
-        raise SystemExit("--micro-steps must be >= 3 (first, middle and last graphs)")
+    p.add_argument("--json", help=output_help("bench_graph.json"))
+    args = p.parse_args(argv)
+    if args.micro_steps < 3 or args.steps < 1:
+        p.error("--micro-steps must be >= 3 (first, middle and last graphs) and --steps >= 1")
+    layout, M = load_layout(args.config), args.micro_steps
+    args.json = output_path("bench_graph.json", args.json)
+    require_cuda()
 
     def job(comm: Any) -> dict[str, Any]:
         dev = comm.device
@@ -111,8 +114,9 @@ def main() -> int:
     with open(args.json, "w") as f:
         json.dump({"config": args.config, "strategy": args.strategy, "micro_steps": M, **r,
                    "date": time.strftime("%Y-%m-%d"), "device": lg.Device(0).name}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0 if r["identical"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("bench_graph", main))

@@ -28,6 +28,8 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from _cli import Parser, output_help, output_path, require_cuda, run  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 TARGETS = (  # (result key, comparison, bound, description), from the issue
@@ -40,20 +42,19 @@ TARGETS = (  # (result key, comparison, bound, description), from the issue
 )
 
 
-def default_json() -> str:
-    out = os.environ.get("OUT")
-    return os.path.join(out, "bench_kernels.json") if out else os.path.join(os.getcwd(), "bench_kernels.json")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", default=default_json(), help="where to write the results (default: %(default)s)")
+    p = Parser("bench_kernels", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU.",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help=output_help("bench_kernels.json"))
     p.add_argument("--device", type=int, default=0, help="GPU ordinal")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per case (at least 20)")
     p.add_argument("--launches", type=int, default=10_000, help="calls for the launch-overhead measurement")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer")
     p.add_argument("--no-compile", action="store_true", help="skip the NVRTC cold/warm timings")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device < 0 or args.launches < 1:
+        p.error("--device must be at least 0 and --launches at least 1")
+    return args
 
 
 class Bench:
@@ -333,6 +334,11 @@ class Bench:
         import torch
         if not torch.cuda.is_available():
             raise RuntimeError("torch has no CUDA")
+        self._torch_cases(torch, n)  # its two 2^28-element tensors are freed when it returns
+        torch.cuda.empty_cache()
+
+    def _torch_cases(self, torch: Any, n: int) -> None:
+        """PyTorch's bf16 add (round to nearest) and an SR add from PyTorch ops, on ``n`` elements."""
         dev = torch.device("cuda", self.dev.ordinal)
         torch.cuda.set_device(dev)
         a = torch.randn(n, device=dev).to(torch.bfloat16)
@@ -364,8 +370,6 @@ class Bench:
         self.case("torch SR ops bf16 2^28", lambda: self.record(
             f"torch SR ops bf16 2^{n.bit_length() - 1}", n, nbytes, timed(sr_add, self.repeats),
             extra={"rounding": "stochastic (torch ops)", "torch": torch.__version__}))
-        del a, b
-        torch.cuda.empty_cache()
 
     # ---- summary -----------------------------------------------------------------------------
     def targets(self) -> None:
@@ -414,14 +418,12 @@ def _subprocess_json(code: str, args: list[str], env: dict[str, str]) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.json = output_path("bench_kernels.json", args.json)
+    require_cuda(args.device + 1)
     import lowgrad as lg
 
     t_start = time.perf_counter()
-    try:
-        b = Bench(lg, args.device, args.repeats)
-    except lg.CudaUnavailableError as exc:
-        print(f"bench_kernels: {exc}", file=sys.stderr)
-        return 2
+    b = Bench(lg, args.device, args.repeats)
     print(f"{b.dev.name} ({b.dev.arch}, {b.dev.sm_count} SMs, L2 {b.l2 / MiB:.0f} MiB); repeats {b.repeats}", flush=True)
     b.case("kernels", lambda: b.dev.kernels)  # compile or load before anything is timed
     b.case("copy bandwidth", b.copy_bandwidths)
@@ -452,7 +454,6 @@ def main(argv: list[str] | None = None) -> int:
         b.case("compile times", b.compile_times)
     b.targets()
     b.results["wall_s"] = time.perf_counter() - t_start
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(b.results, f, indent=2, default=str)
     print(f"\nwrote {args.json} ({b.results['wall_s']:.1f} s)")
@@ -460,4 +461,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("bench_kernels", main))

@@ -12,7 +12,6 @@ Every variant's result is checked bit for bit against the first. Prints a table,
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,23 +21,29 @@ from collections.abc import Callable
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import Parser, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
+
 import lowgrad as lg  # noqa: E402
-from lowgrad.cli.bandwidth import copy_bandwidths
-from lowgrad.core.dtypes import byte
-from lowgrad.core.tensor import span
-from lowgrad.cuda.compiler import add_sr_multi_spec
-from lowgrad.sr.seeds import use_seed
+from lowgrad.cli.bandwidth import copy_bandwidths  # noqa: E402
+from lowgrad.core.dtypes import byte  # noqa: E402
+from lowgrad.core.tensor import span  # noqa: E402
+from lowgrad.cuda.compiler import add_sr_multi_spec  # noqa: E402
+from lowgrad.sr.seeds import use_seed  # noqa: E402
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = Parser("bench_layer", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU.")
     p.add_argument("--config", default="Qwen2.5-1.5B")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_layer.json"))
-    args = p.parse_args()
+    p.add_argument("--json", help=output_help("bench_layer.json"))
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    layout = load_layout(args.config)
+    args.json = output_path("bench_layer.json", args.json)
+    require_cuda()
     dev = lg.Device(0)
-    layout = lg.llama_layout(args.config)
     L, specs = layout.num_layers, layout.block
     bw = copy_bandwidths(dev, 1 << 31, pinned=False)["d2d"]
     lazy = dev.lazy_allocator("device")
@@ -134,8 +139,9 @@ def main() -> int:
     with open(args.json, "w") as f:
         json.dump({"config": args.config, "copy_bw": bw, "layer_bytes": layer_bytes, "rows": rows,
                    "date": time.strftime("%Y-%m-%d"), "device": dev.name}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("bench_layer", main))

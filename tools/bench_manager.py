@@ -19,7 +19,6 @@ an all-to-all reads and writes (N-1)/N of the layer), counted in the floor.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,12 +30,17 @@ import numpy as np
 
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
+
 import lowgrad as lg  # noqa: E402
-from lowgrad.cli.bandwidth import copy_bandwidths
-from lowgrad.core.dtypes import byte
-from lowgrad.core.memory import align_up
-from lowgrad.core.tensor import span
+from lowgrad.cli.bandwidth import copy_bandwidths  # noqa: E402
+from lowgrad.core.dtypes import byte  # noqa: E402
+from lowgrad.core.memory import align_up  # noqa: E402
+from lowgrad.core.tensor import span  # noqa: E402
+
+# the layout by backend: a 1.5B model loads an H200; on the CPU a tiny one finishes in seconds
+DEFAULT_CONFIG = {"cuda": "Qwen2.5-1.5B", "host": "tiny"}
 
 # (strategy, offload, inline): None is the manager's default (inline at world 1 with device shards)
 RUNS = (("unsharded", False, None), ("scatter_reduce", False, None), ("scatter_reduce", False, False),
@@ -116,9 +120,11 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             "memory": rep}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="Qwen2.5-1.5B", help="preset name or config.json")
+def main(argv: list[str] | None = None) -> int:
+    p = Parser("bench_manager", description=__doc__.split("\n\n")[0] + " The CUDA backend needs an NVIDIA GPU; "
+               "--backend host runs on the CPU.")
+    p.add_argument("--config", help="preset name or config.json (default: "
+                   + ", ".join(f"{v} with --backend {k}" for k, v in DEFAULT_CONFIG.items()) + ")")
     p.add_argument("--backend", choices=("cuda", "host"), default="cuda")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--micro-steps", type=int, default=6)
@@ -131,9 +137,19 @@ def main() -> int:
                    help="the engine writes nothing (gradients keep the pool's first values): the manager's "
                         "own exchange and SR traffic against its own floor")
     p.add_argument("--timeout", type=float, default=None, help="seconds any rank waits for another")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_manager.json"))
-    args = p.parse_args()
-    layout = lg.llama_layout(args.config)
+    p.add_argument("--json", help=output_help("bench_manager.json"))
+    args = p.parse_args(argv)
+    if args.world < 1 or args.micro_steps < 1 or args.steps < 1:
+        p.error("--world, --micro-steps and --steps must be at least 1")
+    if args.share_gpu and args.backend != "cuda":
+        p.error("--share-gpu runs the ranks on one GPU: it needs --backend cuda")
+    args.config = args.config or DEFAULT_CONFIG[args.backend]
+    layout = load_layout(args.config)
+    check_world(layout, args.world)
+    args.json = output_path("bench_manager.json", args.json)
+    if args.backend == "cuda":
+        require_cuda(1 if args.share_gpu else args.world,
+                     host_hint="--backend host runs it on the CPU (the tiny layout by default)")
     dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
     bw = copy_bandwidths(dev, 1 << 31 if args.backend == "cuda" else 1 << 26)
     print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
@@ -168,8 +184,9 @@ def main() -> int:
     with open(args.json, "w") as f:
         json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw, "results": results,
                    "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("bench_manager", main))

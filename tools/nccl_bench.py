@@ -25,7 +25,8 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import CannotRun, Parser, require_cuda, run  # noqa: E402
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
 DTYPES = ("bf16", "fp32")
@@ -200,8 +201,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser("nccl_bench", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU (one rank per GPU).",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--min-bytes", type=parse_size, default=parse_size("1M"), help="smallest buffer (default 1M)")
     ap.add_argument("--max-bytes", type=parse_size, default=parse_size("1G"), help="largest buffer (default 1G)")
     ap.add_argument("--factor", type=int, default=4, help="size step factor (default 4)")
@@ -220,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in ops if o not in COLLECTIVES] + [d for d in dtypes if d not in DTYPES]
     if bad or args.factor < 2 or args.min_bytes <= 0 or args.max_bytes < args.min_bytes:
         ap.error(f"bad arguments: {bad or 'sizes/factor'}")
+    if args.world < 0:
+        ap.error("--world must be at least 1 (0: every visible GPU)")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise CannotRun(f"--json {args.json}: no such directory")
 
     import lowgrad as lg
     from lowgrad.cuda import nccl
 
+    require_cuda(max(1, args.world))
     world = args.world or lg.device_count()
     cfg = {"world": world, "ops": ops, "dtypes": dtypes, "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),
            "warmup": args.warmup, "iters": args.iters, "timeout": args.timeout}
@@ -244,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"world": world, "nccl": nccl.version(), "nccl_library": nccl.library_path(),
                        "torch": torch_note, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run("nccl_bench", main))

@@ -27,8 +27,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import CannotRun, Parser, check_world, int_list, load_layout, output_help, output_path
+from _cli import run as run_tool
 from bench_manager import RUNS as BENCH_RUNS
 
 import lowgrad as lg
@@ -531,12 +532,16 @@ def command_line(argv: list[str]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bench-kernels", default=os.path.join(RUN9, "bench_kernels.json"))
-    p.add_argument("--bench-manager", default=os.path.join(RUN9, "bench_manager.json"))
-    p.add_argument("--bench-layer", default=os.path.join(RUN6, "bench_layer.json"))
+    p = Parser("predict_scaling", description=__doc__.split("\n\n")[0] + " Runs on the CPU: it reads the bench "
+               "JSON of one H200 run (the committed benchmarks/ folders by default) and measures nothing.")
+    p.add_argument("--bench-kernels", default=os.path.join(RUN9, "bench_kernels.json"),
+                   help="bench_kernels.json (default: the committed run 9)")
+    p.add_argument("--bench-manager", default=os.path.join(RUN9, "bench_manager.json"),
+                   help="bench_manager.json (default: the committed run 9)")
+    p.add_argument("--bench-layer", default=os.path.join(RUN6, "bench_layer.json"),
+                   help="bench_layer.json (default: the committed run 6)")
     p.add_argument("--models", default=",".join(MODELS), help="comma list of presets or config.json paths")
-    p.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    p.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma list of GPU counts")
     d = Config()
     p.add_argument("--rs-busbw", type=float, default=d.rs_busbw_gbps, help="reduce-scatter bus bandwidth, GB/s")
     p.add_argument("--p2p", type=float, default=d.p2p_gbps, help="one-way NVLink P2P bandwidth, GB/s")
@@ -548,9 +553,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-dram", type=float, default=d.host_dram_gbps, help="host DRAM GB/s shared by offload")
     p.add_argument("--nccl-sms", type=int, default=d.nccl_sms)
     p.add_argument("--nccl-host-us", type=float, default=d.nccl_host_us)
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "predict_scaling.json"))
+    p.add_argument("--json", help=output_help("predict_scaling.json"))
     p.add_argument("--markdown", default=None, help="also write the section as Markdown to this path")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        int_list(1)(args.worlds)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--worlds: {exc}")
+    return args
 
 
 def config_of(args: argparse.Namespace) -> Config:
@@ -561,9 +571,20 @@ def config_of(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    m = load_measured(args.bench_kernels, args.bench_manager, args.bench_layer)
+    models, worlds = [x for x in args.models.split(",") if x], int_list(1)(args.worlds)
+    for model in models:
+        for w in worlds:
+            check_world(load_layout(model, "--models"), w, f"--worlds ({model}): world")
+    args.json = output_path("predict_scaling.json", args.json)
+    if args.markdown:
+        output_path("", args.markdown)  # its folder exists
+    try:
+        m = load_measured(args.bench_kernels, args.bench_manager, args.bench_layer)
+    except (OSError, ValueError, KeyError, StopIteration) as exc:  # missing, not JSON, or not a bench's JSON
+        raise CannotRun(f"cannot read the bench JSON ({type(exc).__name__}: {exc}); give --bench-kernels, "
+                        "--bench-manager and --bench-layer") from None
     cfg = config_of(args)
-    result = run(args.models.split(","), [int(w) for w in args.worlds.split(",")], m, cfg)
+    result = run(models, worlds, m, cfg)
     print(f"predict_scaling: copy {m.copy_gbps:.0f} GB/s, pinned SR {m.pinned_sr_gbps:.1f} GB/s "
           f"(H2D {m.h2d_gbps:.1f} + D2H {m.d2h_gbps:.1f}), SR launch {m.sr_fixed_us:.1f} us + bytes at "
           f"{m.layer_sr_eff:.3f} x copy; "
@@ -584,9 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(result, command_line(sys.argv[1:] if argv is None else argv)))
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("predict_scaling", main))

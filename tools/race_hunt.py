@@ -14,7 +14,6 @@ for bit. Strategies, offload and eager/graph-replayed runs rotate until the time
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -28,7 +27,10 @@ import numpy as np
 
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda  # noqa: E402
+from _cli import run as run_tool  # noqa: E402
+
 import lowgrad as lg  # noqa: E402
 from lowgrad.cuda.loopback import spin  # noqa: E402
 
@@ -168,7 +170,7 @@ def hunt(world: int, seconds: float, M: int, steps: int, spin_us: int, sleep_us:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser("race_hunt", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU (all ranks on GPU 0).")
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--micro-steps", type=int, default=3)
@@ -178,10 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jitter-us", type=int, default=50, help="longest device-side delay of each meeting")
     p.add_argument("--config", default="tiny", help="layout preset")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any rank waits for another")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "race_hunt.json"))
+    p.add_argument("--json", help=output_help("race_hunt.json"))
     args = p.parse_args(argv)
+    if args.world < 1 or args.micro_steps < 1 or args.steps < 1:
+        p.error("--world, --micro-steps and --steps must be at least 1")
+    layout = load_layout(args.config)
+    check_world(layout, args.world)
+    args.json = output_path("race_hunt.json", args.json)
+    require_cuda()
     os.environ["LOWGRAD_LOOPBACK_JITTER_US"] = str(args.jitter_us)  # read when each group is created
-    layout = lg.llama_layout(args.config)
     t0 = time.monotonic()
     records = hunt(args.world, args.seconds, args.micro_steps, args.steps, args.spin_us, args.sleep_us, layout, args.timeout)
     print(f"race_hunt: world {args.world}, {args.config} ({layout.total_numel} params), {args.micro_steps} micro-steps "
@@ -203,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.json, "w") as f:
         json.dump({"world": args.world, "config": args.config, "args": vars(args), "records": records,
                    "date": time.strftime("%Y-%m-%d")}, f, indent=1)
+    print(f"wrote {args.json}")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("race_hunt", main))
