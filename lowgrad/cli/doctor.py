@@ -1,6 +1,8 @@
 """``lowgrad doctor``: what a user runs first on a broken setup. Each check gives one line with a
-status (``ok``, ``FAILED`` with the reason, or ``absent`` for the CUDA driver on a machine without
-one) as text or, with ``--json``, as JSON lines; the exit status is 1 when any line FAILED."""
+status: ``ok``; ``FAILED`` with the reason (a broken install: a library that is there but does not
+load or is too old, an unusable kernel cache); or ``absent`` (no CUDA driver, no NVRTC, no NCCL: a
+CPU-only install, where the host backend works). Text, one line per check, or with ``--json`` one
+JSON document. The exit status is 1 when any line FAILED, 0 otherwise (absent is not a failure)."""
 from __future__ import annotations
 
 import argparse
@@ -19,32 +21,52 @@ Checks the installation one line at a time: Python packages, cuda-bindings, NVRT
 kernel cache, the NCCL library and the CUDA driver; with a driver, also the GPUs, their
 peer links, pinned-copy bandwidth, a kernel, NCCL at world 1 and a CUDA graph.
 
-Each line has a status: ok; FAILED with the reason; or absent (no CUDA driver: the host
-backend still works). Exit status: 0 when no line FAILED, 1 otherwise.
+Each line has a status: ok; FAILED with the reason (a broken install: a library that is
+there but does not load, or is too old; an unusable kernel cache); or absent (no CUDA
+driver, no NVRTC or no NCCL installed: a CPU-only install, where the host backend works).
+Exit status: 0 when no line FAILED (absent lines included), 1 otherwise.
 
-With --json every line is one JSON object on stdout:
-  {"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from ..."}"""
+With --json stdout is one JSON document (json.load reads it):
+  {"version": 1, "lowgrad": "0.1.0", "failed": false,
+   "checks": [{"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from ..."}, ...]}"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The doctor's options."""
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object per line (name, status, detail) instead of text")
+                   help="print one JSON document (every check's name, status and detail) instead of text")
+
+
+JSON_VERSION = 1  # of the --json document's layout
+
+
+class Absent(Exception):
+    """A check's subject is not installed here (reported ``absent``, not a failure)."""
 
 
 class _Doctor:
-    """Runs the checks, prints each line as text or JSON, remembers whether any FAILED."""
+    """Runs the checks, prints each line as text (as it goes) or collects it for the one JSON
+    document (:meth:`finish`), remembers whether any FAILED."""
 
     def __init__(self, as_json: bool) -> None:
         self.as_json, self.failed = as_json, False
+        self.checks: list[dict[str, str]] = []
 
     def line(self, status: str, name: str, detail: str) -> None:
-        """Print one line: ``status`` is "ok", "FAILED" or "absent"."""
-        if self.as_json:
-            print(json.dumps({"name": name, "status": status, "detail": detail}), flush=True)
-        else:
+        """One line: ``status`` is "ok", "FAILED" or "absent". ``detail`` becomes one line (a
+        library's message may carry newlines)."""
+        detail = " ".join(str(detail).split())
+        self.checks.append({"name": name, "status": status, "detail": detail})
+        if not self.as_json:
             print(f"[{status:>6}] {name:<22} {detail}", flush=True)
         self.failed |= status == "FAILED"
+
+    def finish(self) -> None:
+        """With --json, print the document: the format version, lowgrad's version, whether any
+        check FAILED, and every check in order."""
+        if self.as_json:
+            print(json.dumps({"version": JSON_VERSION, "lowgrad": __version__, "failed": self.failed,
+                              "checks": self.checks}, indent=2), flush=True)
 
     def note(self, text: str) -> None:
         """A remark for people (text mode only)."""
@@ -52,13 +74,13 @@ class _Doctor:
             print(text)
 
     def check(self, name: str, fn: Callable[[], str]) -> bool:
-        """Run ``fn`` and print ``name``'s line; True when it is ok. A CudaUnavailableError is
-        ``absent``, not FAILED."""
+        """Run ``fn`` and print ``name``'s line; True when it is ok. :class:`Absent` and a
+        CudaUnavailableError are ``absent``, not FAILED."""
         from lowgrad.core.errors import CudaUnavailableError
 
         try:
             detail = fn()
-        except CudaUnavailableError as exc:
+        except (Absent, CudaUnavailableError) as exc:
             self.line("absent", name, str(exc))
         except Exception as exc:  # the doctor reports every failure and carries on
             self.line("FAILED", name, f"{type(exc).__name__}: {exc}")
@@ -75,7 +97,7 @@ def _lowgrad() -> str:
 
 def _packages() -> str:
     names = ["numpy", "ml_dtypes", "cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc",
-             "nvidia-nccl-cu12", "nvidia-nccl-cu13"]
+             "nvidia-nccl-cu12", "nvidia-nccl-cu13", "torch"]
     found = []
     for n in names:
         try:
@@ -109,10 +131,19 @@ def _bindings() -> str:
     return f"cuda-bindings {cuda.bindings.__version__} from {os.path.dirname(cuda.bindings.__file__)}"
 
 
+_GET_GPU_STACK = "the host backend needs none; the cu12 or cu13 extra installs it for a GPU"
+
+
 def _nvrtc() -> str:
+    from lowgrad.core.errors import NvrtcError
     from lowgrad.cuda import compiler
 
-    major, minor = compiler.nvrtc_version()
+    try:
+        major, minor = compiler.nvrtc_version()
+    except NvrtcError as exc:
+        if _not_found(exc.__cause__):
+            raise Absent(f"not installed ({str(exc.__cause__).strip()}): {_GET_GPU_STACK}") from exc
+        raise  # there but failing to load, or a broken cuda-bindings: FAILED
     return f"NVRTC {major}.{minor} from {_loaded('libnvrtc')}; kernel sources {compiler.kernel_dir()}"
 
 
@@ -122,10 +153,46 @@ def _cache() -> str:
     return f"{compiler.check_cache()} (LOWGRAD_CACHE_DIR moves it)"
 
 
+def _not_found(cause: BaseException | None) -> bool:
+    """Whether cuda-bindings failed to load a library because it found no file of it anywhere it
+    looks (cuda-pathfinder's DynamicLibNotFoundError), rather than finding one that did not load
+    (a RuntimeError naming the file) or being asked for a name it does not know."""
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError, DynamicLibUnknownError
+    except ImportError:  # cuda-bindings before 12.9 searched by itself: cannot tell, so FAILED
+        return False
+    return isinstance(cause, DynamicLibNotFoundError) and not isinstance(cause, DynamicLibUnknownError)
+
+
 def _nccl() -> str:
     from lowgrad.cuda import nccl
 
+    try:
+        nccl.lib()
+    except nccl.NcclLibraryError as exc:
+        if _nccl_absent():
+            raise Absent(f"not installed (no libnccl in the nvidia-nccl-cu12/-cu13 wheels nor on the loader "
+                         f"path; LOWGRAD_NCCL_LIBRARY unset): {_GET_GPU_STACK}") from exc
+        raise  # a library that is there but does not load, or lacks symbols: FAILED
     return f"NCCL {'.'.join(map(str, nccl.version()))} from {nccl.library_path()}"
+
+
+def _nccl_absent() -> bool:
+    """Whether there is no NCCL anywhere lowgrad looks (lowgrad.cuda.nccl's order): no
+    LOWGRAD_NCCL_LIBRARY, no libnccl in an NVIDIA wheel, none that ctypes.util.find_library knows,
+    and the loader has no file named libnccl.so.2 (its error names that file, not a dependency)."""
+    import ctypes
+    import ctypes.util
+
+    from lowgrad.cuda import nccl
+
+    if os.environ.get("LOWGRAD_NCCL_LIBRARY") or nccl._wheel_candidates() or ctypes.util.find_library("nccl"):
+        return False
+    try:
+        ctypes.CDLL("libnccl.so.2")
+    except OSError as exc:
+        return str(exc).startswith("libnccl.so.2: cannot open shared object file")
+    return False
 
 
 def _gpus() -> str:
@@ -229,7 +296,7 @@ def _graph() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print every line; 1 when any FAILED, else 0."""
+    """Print every line (or the JSON document); 1 when any FAILED, else 0."""
     doc = _Doctor(args.json)
     for name, fn in (("lowgrad", _lowgrad), ("packages", _packages), ("cuda-bindings", _bindings),
                      ("NVRTC", _nvrtc), ("kernel cache", _cache), ("NCCL library", _nccl)):
@@ -240,4 +307,5 @@ def run(args: argparse.Namespace) -> int:
             doc.check(name, fn)
     else:
         doc.note("no usable NVIDIA driver/GPU: the host backend (lowgrad.HostDevice) still works")
+    doc.finish()
     return 1 if doc.failed else 0
