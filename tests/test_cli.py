@@ -112,18 +112,20 @@ def test_doctor_without_the_gpu_stack_says_absent_and_exits_0(tmp_path: Path) ->
     driver are absent, the exit status is 0, and --json says the same in one document."""
     python, env = without_nvidia_wheels(tmp_path), bare_env(tmp_path)
     out = run("doctor", python=python, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
     got = statuses(out.stdout)
-    assert list(got) == TOP and "FAILED" not in got.values()
+    assert list(got)[:7] == TOP and "FAILED" not in [got[name] for name in TOP], out.stdout
+    if got["CUDA driver"] == "absent":  # CI: nothing more runs, and absent is no failure
+        assert list(got) == TOP and out.returncode == 0, out.stdout + out.stderr
+    # (with a driver the kernel and NCCL checks that follow need NVRTC and NCCL: they fail, rightly)
     if ctypes.util.find_library("nvrtc") is None:  # no CUDA toolkit on this machine's loader path
         assert got["NVRTC"] == "absent", out.stdout
     if ctypes.util.find_library("nccl") is None:
         assert got["NCCL library"] == "absent", out.stdout
     assert "nvidia-" not in next(ln for ln in out.stdout.splitlines() if "] packages" in ln)
     js = run("doctor", "--json", python=python, env=env)
-    assert js.returncode == 0, js.stdout + js.stderr
+    assert js.returncode == out.returncode, js.stdout + js.stderr
     doc = json.loads(js.stdout)
-    assert doc["failed"] is False
+    assert doc["failed"] is (out.returncode == 1)
     assert {c["name"]: c["status"] for c in doc["checks"]} == got
 
 
