@@ -484,7 +484,7 @@ def test_bad_arguments_raise_before_launch(gpu: lg.Device, host: lg.HostDevice,
             launched.append(name)
         return f
 
-    for name in ("add_sr", "reduce_sr", "fill_zero", "norm_squared"):
+    for name in ("add_sr", "reduce_sr", "fill", "norm_squared"):
         monkeypatch.setattr(gpu.kernels, name, forbid(name))
     a, b = gpu.alloc(16, lg.bf16, name="a"), gpu.alloc(16, lg.bf16, name="b")
     f32 = gpu.alloc(16, lg.fp32, name="f32")
@@ -521,6 +521,10 @@ def test_bad_arguments_raise_before_launch(gpu: lg.Device, host: lg.HostDevice,
         (TypeError, lambda: ops.fill_zero(np.zeros(4))),  # type: ignore[arg-type]
         (ValueError, lambda: ops.fill_zero(h)),
         (TypeError, lambda: ops.fill_zero(a, stream=1.5)),
+        (TypeError, lambda: ops.fill_nan(np.zeros(4))),  # type: ignore[arg-type]
+        (TypeError, lambda: ops.fill_nan(gpu.alloc(4, lg.byte, name="bytes"))),  # no NaN in a byte
+        (ValueError, lambda: ops.fill_nan(h)),
+        (TypeError, lambda: ops.fill_nan(a, stream=1.5)),
         (ValueError, lambda: ops.norm_squared(a, gpu.alloc(2, lg.fp32, name="out2"))),
         (TypeError, lambda: ops.norm_squared(a, gpu.alloc(1, lg.bf16, name="outb"))),
         (TypeError, lambda: ops.norm_squared(gpu.alloc(4, lg.fp16, name="x16"), out)),
