@@ -33,6 +33,15 @@ if REPO not in sys.path:  # a checkout that is not installed: the lowgrad next t
     sys.path.insert(1, REPO)
 
 CANNOT_RUN = 2  # the exit status of "cannot run here": the same as argparse's for a bad argument
+INSTALL = 'pip install ".[cu12]" from the repository, or run the tool with the Python lowgrad is installed in'
+
+try:  # every tool needs lowgrad: without it (or its dependencies) in this Python, one line
+    import lowgrad  # noqa: F401
+except ImportError as _exc:
+    _name = sys.argv[2] if sys.argv[1:2] == ["needs-gpu"] and len(sys.argv) > 2 else \
+        os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    print(f"{_name}: needs lowgrad and its dependencies in this Python ({_exc}): {INSTALL}", file=sys.stderr)
+    sys.exit(CANNOT_RUN)
 
 
 class CannotRun(Exception):

@@ -33,11 +33,10 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import CannotRun, Parser, float_list, int_list, output_help, output_path, run  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 
 from lowgrad.core.dtypes import bf16  # noqa: E402
 from lowgrad.sr.reference import add_sr  # noqa: E402

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import CannotRun, Parser, check_world, int_list, output_help, output_path, run  # noqa: E402
+import numpy as np  # noqa: E402
 
 import lowgrad as lg  # noqa: E402
 from lowgrad.host.collective import host_reduce  # noqa: E402

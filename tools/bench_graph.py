@@ -19,10 +19,9 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import Parser, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
+import numpy as np  # noqa: E402
 
 import lowgrad as lg  # noqa: E402
 from lowgrad.core.tensor import Tensor, span  # noqa: E402

@@ -26,12 +26,11 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
+import numpy as np  # noqa: E402
 
 import lowgrad as lg  # noqa: E402
 from lowgrad.cli.bandwidth import copy_bandwidths  # noqa: E402

@@ -23,13 +23,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda  # noqa: E402
 from _cli import run as run_tool  # noqa: E402
+import numpy as np  # noqa: E402
 
 import lowgrad as lg  # noqa: E402
 from lowgrad.cuda.loopback import spin  # noqa: E402
