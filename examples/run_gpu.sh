@@ -3,14 +3,19 @@
 # array library (PyTorch, CuPy) x the accumulation modes and strategies, plus the numpy toy on
 # the host backend. Each run writes OUTDIR/NAME.json and NAME.log; at the end a table, a plot
 # (with matplotlib) and the checks: every loss falls below 0.8 x its start, and sr_bf16 ends
-# within 0.05 of fp32. Exit status 1 when a run failed or a check did not hold.
-#   bash examples/run_gpu.sh [OUTDIR]          (default: $OUT, else ./lm_runs)
+# within 0.05 of fp32. The last line is the verdict, PASS or FAIL; exit status 1 when a run failed
+# or a check did not hold, 2 (one line on stderr, nothing run) without a GPU: on the CPU, run
+# python examples/train_lm.py (numpy) or --backend torch --device host instead.
+#   bash examples/run_gpu.sh [OUTDIR]          (default: $OUT, else ./lm_runs in the current folder)
 set -u -o pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
+OUTDIR=$(realpath -m "${1:-${OUT:-lm_runs}}")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-OUTDIR=${1:-${OUT:-lm_runs}}
-mkdir -p "$OUTDIR"
+"$PY" tools/_cli.py needs-gpu run_gpu.sh \
+  "python examples/train_lm.py trains the numpy engine on the CPU (--backend torch --device host: PyTorch)" || exit 2
+mkdir -p "$OUTDIR" || exit 2
 # 347k parameters, 2048 examples per step. The text is small: the training loss goes far below the
 # held-out loss (memorisation); the comparisons are about the training curves.
 SIZE=(--hidden 256 --layers 4 --embed 32 --batch 256 --micro-steps 8 --steps 150 --lr 5e-3 --weight-decay 0.1 --log-every 25)
@@ -58,4 +63,9 @@ for b in ("torch", "cupy"):
 print(f"checks: {len(runs)} runs, " + ("all hold" if not bad else "FAILED: " + ", ".join(bad)))
 sys.exit(1 if bad else 0)
 PYEOF
+if [ $fail = 0 ]; then
+  echo "PASS: every run finished, every loss fell below 0.8 x its start, sr_bf16 ended within 0.05 of fp32 ($OUTDIR)"
+else
+  echo "FAIL: a run failed or a check did not hold (see above; logs in $OUTDIR)"
+fi
 exit $fail

@@ -6,24 +6,41 @@
 #  3. loss curves of every mode at once (step times not comparable there): PyTorch fp32 and bf16,
 #     lowgrad ldsr / sr / rn, two seeds where it matters;
 #  4. real 0.5B gradients through tools/accuracy.py; 5. the loss plot.
-#   bash examples/run_transformer_gpu.sh [OUTDIR]     (default: $OUT, else ./transformer_runs)
+#   bash examples/run_transformer_gpu.sh [OUTDIR]     (default: $OUT, else ./transformer_runs in the current folder)
 #   (CPU smoke: SIZE=tiny STEPS=2 GRAD_MICRO=8 BATCH=2 SEQ=32 bash examples/run_transformer_gpu.sh /tmp/tt)
+# The last line is the verdict, PASS or FAIL (exit status 1 when a run failed); with the 0.5B model
+# and no GPU it says so in one line on stderr and exits with status 2 (the CPU smoke run above has
+# no profiled run: --profile measures GPU streams).
 set -u -o pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
+OUTDIR=$(realpath -m "${1:-${OUT:-transformer_runs}}")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUTDIR=${1:-${OUT:-transformer_runs}}
 SIZE=${SIZE:-0.5b}
-mkdir -p "$OUTDIR/curves"
+if python3 tools/_cli.py needs-gpu run_transformer_gpu.sh 2> /dev/null; then gpu=1; else gpu=0; fi
+if [ "$gpu" = 0 ] && [ "$SIZE" != tiny ]; then
+  python3 tools/_cli.py needs-gpu run_transformer_gpu.sh \
+    "the CPU smoke run: SIZE=tiny STEPS=2 GRAD_MICRO=8 BATCH=2 SEQ=32 bash examples/run_transformer_gpu.sh DIR"
+  exit 2
+fi
+mkdir -p "$OUTDIR/curves" || exit 2
+failed=()
 T=(--size "$SIZE" --steps 7 --micro-steps 4 --batch "${BATCH:-16}" --seq "${SEQ:-1024}" --log-every 0)
 for run in "t_torch_bf16 --mode torch_bf16" "t_lowgrad_scatter_reduce --mode lowgrad --strategy scatter_reduce" \
            "t_lowgrad_unsharded --mode lowgrad --strategy unsharded"; do
   set -- $run; name=$1; shift
   timeout 90 python3 examples/train_transformer.py "$@" "${T[@]}" --json "$OUTDIR/$name.json" > "$OUTDIR/$name.log" 2>&1
-  echo "$name: rc=$? $(tail -1 "$OUTDIR/$name.log")"
+  rc=$?; [ $rc = 0 ] || failed+=("$name")
+  echo "$name: rc=$rc $(tail -1 "$OUTDIR/$name.log")"
 done
-timeout 90 python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce "${T[@]}" --profile \
-  --json "$OUTDIR/profile.json" > "$OUTDIR/profile.log" 2>&1
-echo "profile: rc=$? $(grep -E 'side_hidden' "$OUTDIR/profile.log")"
+if [ "$gpu" = 1 ]; then
+  timeout 90 python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce "${T[@]}" --profile \
+    --json "$OUTDIR/profile.json" > "$OUTDIR/profile.log" 2>&1
+  rc=$?; [ $rc = 0 ] || failed+=(profile)
+  echo "profile: rc=$rc $(grep -E 'side_hidden' "$OUTDIR/profile.log")"
+else
+  echo "profile: skipped (no GPU)"
+fi
 L=(--size "$SIZE" --steps "${STEPS:-50}" --micro-steps 4 --batch "${BATCH:-8}" --seq "${SEQ:-512}" --log-every 10)
 pids=()
 for run in "torch_fp32_s0 --mode torch_fp32 --seed 0" "torch_bf16_s0 --mode torch_bf16 --seed 0" \
@@ -35,12 +52,12 @@ for run in "torch_fp32_s0 --mode torch_fp32 --seed 0" "torch_bf16_s0 --mode torc
     --json "$OUTDIR/curves/$name.json" > "$OUTDIR/curves/$name.log" 2>&1 &
   pids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p"; done
+for p in "${pids[@]}"; do wait "$p" || failed+=("curve(pid $p)"); done
 for f in "$OUTDIR"/curves/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
 timeout 150 python3 examples/train_transformer.py --size "$SIZE" --save-grads "$OUTDIR/grads.npy" \
   --micro-steps "${GRAD_MICRO:-256}" --batch 2 --seq 256 > "$OUTDIR/save_grads.log" 2>&1 && \
   python3 tools/accuracy.py --grads "$OUTDIR/grads.npy" --micro 32,128,"${GRAD_MICRO:-256}" \
-    --json "$OUTDIR/accuracy.json" | tee "$OUTDIR/accuracy.log"
+    --json "$OUTDIR/accuracy.json" | tee "$OUTDIR/accuracy.log" || failed+=(accuracy)
 rm -f "$OUTDIR/grads.npy"
 python3 - "$OUTDIR" <<'PY'
 import json, sys
@@ -55,3 +72,8 @@ k = min(10, min(len(r["loss"]) for r in runs)) if runs else 1
 smooth = [{"label": r["label"], "loss": list(np.convolve(r["loss"], np.ones(k) / k, mode="valid"))} for r in runs]
 plot_curves(smooth, str(Path(sys.argv[1]) / "transformer_losses.png"))
 PY
+if [ ${#failed[@]} = 0 ]; then
+  echo "PASS: every run exited 0 (each one's loss fell and stayed finite) and the accuracy table was written ($OUTDIR)"
+else
+  echo "FAIL: ${failed[*]} failed (logs in $OUTDIR)"; exit 1
+fi

@@ -62,16 +62,21 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, ContextManager
-
-import numpy as np
+from typing import Any, ContextManager, NoReturn
 
 try:
-    import lowgrad as lg
-except ImportError:  # run from a checkout without installing: use the package next to examples/
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import lowgrad as lg
-from lowgrad.sr.seeds import NON_BLOCK_LAYER, use_seed
+    import numpy as np
+    try:
+        import lowgrad as lg
+    except ImportError:  # run from a checkout without installing: use the package next to examples/
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import lowgrad as lg
+    from lowgrad.sr.seeds import NON_BLOCK_LAYER, use_seed
+except ImportError as _exc:  # said in one line, exit status 2 (see main)
+    print(f"{Path(sys.argv[0]).name}: needs lowgrad and its dependencies in this Python ({_exc}): "
+          'pip install ".[cu12]" from the repository, or run it with the Python lowgrad is installed in',
+          file=sys.stderr)
+    sys.exit(2)
 
 Array = Any  # a numpy, CuPy or PyTorch array
 DEFAULT_TEXT = Path(__file__).with_name("tiny_text.txt")
@@ -615,7 +620,7 @@ def plot_curves(runs: list[dict[str, Any]], out: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        print(f"matplotlib is not installed: no plot written ({NEEDS_MATPLOTLIB})", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -629,9 +634,121 @@ def plot_curves(runs: list[dict[str, Any]], out: str) -> bool:
     return True
 
 
+# ---- the command line: it runs, or says why in one line (exit status 2) ----------------------
+NEEDS_MATPLOTLIB = 'needs matplotlib: pip install ".[plot]" (or pip install matplotlib)'
+
+
+class CannotRun(Exception):
+    """This setup cannot run (no GPU, a missing library, options that do not fit together): the
+    message is the one line the user reads."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``prog: error: MESSAGE (see --help)``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
+def cannot_run(prog: str, exc: BaseException) -> int:
+    """Print ``prog: <why>`` as one line on stderr; exit status 2."""
+    print(f"{prog}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def missing_gpus(gpus: int = 1) -> str | None:
+    """Why lowgrad's CUDA backend cannot run ``gpus`` ranks here (one per GPU), or None."""
+    count = lg.device_count()
+    if count == 0:
+        try:
+            lg.Device(0)  # raises with the reason: no driver, no GPU
+        except lg.CudaUnavailableError as exc:
+            return f"needs an NVIDIA GPU and driver (CUDA backend): {exc}"
+        return "needs an NVIDIA GPU and driver (CUDA backend): no GPU visible"
+    return f"needs {gpus} GPUs (one per rank), {count} visible" if count < gpus else None
+
+
+def check_setup(cfg: Config, a: argparse.Namespace) -> Corpus:
+    """Everything this run needs, checked before anything is built: the text, a world the layout
+    shards over, the GPUs and array library of ``--backend``/``--device``, matplotlib for
+    ``--plot``, the output folder. :class:`CannotRun` says what is missing; returns the corpus."""
+    try:
+        corpus = Corpus(Path(cfg.text).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CannotRun(f"--text {cfg.text}: {exc}") from None
+    if min(len(corpus.train), len(corpus.val)) <= cfg.context:
+        raise CannotRun(f"--text {cfg.text} is too short for --context {cfg.context}")
+    try:
+        layout_of(cfg, corpus.vocab).check_world(cfg.world)
+    except ValueError as exc:
+        raise CannotRun(f"--world {cfg.world}: {exc} (--hidden and the vocabulary padded to a multiple of 16 "
+                        "must divide by the world)") from None
+    if cfg.device == "cuda":
+        why = missing_gpus(cfg.world)
+        if why:
+            raise CannotRun(f"--backend {cfg.backend} --device cuda {why}; on the CPU: --backend numpy (the "
+                            "default) or --backend torch --device host")
+    if cfg.backend == "torch":
+        try:
+            import torch
+        except ImportError:
+            raise CannotRun('--backend torch needs PyTorch: pip install ".[torch]"') from None
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise CannotRun(f"--backend torch --device cuda needs a CUDA build of PyTorch (torch {torch.__version__} "
+                            "has no CUDA); --device host runs it on the CPU")
+    if cfg.backend == "cupy":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise CannotRun("--backend cupy needs CuPy: pip install cupy-cuda12x (cupy-cuda13x for CUDA 13)") from None
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CannotRun(f"--plot {NEEDS_MATPLOTLIB}") from None
+    for f in a.compare:
+        try:
+            json.loads(Path(f).read_text(encoding="utf-8"))["loss"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CannotRun(f"--compare {f}: not a --json file of this example ({type(exc).__name__}: {exc})") from None
+    for opt, out in (("--json", a.json), ("--plot", a.plot)):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise CannotRun(f"{opt} {out}: no such directory")
+    return corpus
+
+
+def verdict(run: dict[str, Any]) -> tuple[bool, str]:
+    """PASS when every loss is finite and the held-out loss (fixed positions, forward only) fell:
+    the model learned through lowgrad's gradients. The line says what was checked."""
+    loss = run["loss"]
+    k = max(1, len(loss) // 4)
+    end = sum(loss[-k:]) / k
+    finite = all(math.isfinite(x) for x in [*loss, run["val_start"], run["val_end"]])
+    fell = run["val_end"] < run["val_start"]
+    what = (f"held-out loss {run['val_start']:.3f} -> {run['val_end']:.3f}, training loss {loss[0]:.3f} -> "
+            f"{end:.3f} (mean of the last {k} of {len(loss)} steps), {run['label']}")
+    if finite and fell:
+        return True, f"PASS: the held-out loss fell and every loss is finite: {what}"
+    why = "a loss is not finite" if not finite else "the held-out loss did not fall"
+    return False, f"FAIL: {why}: {what}"
+
+
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+    return parse
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     d = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0] + " Runs on the CPU (numpy, the default; or "
+                      "--backend torch --device host); --backend torch|cupy on the GPU.")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend)
     p.add_argument("--device", choices=("host", "cuda"), default=None,
                    help="lowgrad backend (default: host for numpy, cuda for cupy and torch)")
@@ -641,14 +758,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--offload", action="store_true", help="block shards in pinned host memory")
     for name in ("world", "steps", "micro_steps", "batch", "context", "embed", "hidden", "layers", "warmup",
                  "seed", "log_every"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+        low = 0 if name in ("warmup", "seed", "log_every") else 1
+        p.add_argument("--" + name.replace("_", "-"), type=_int_at_least(low), default=getattr(d, name))
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--text", default=d.text, help="training text (default: examples/tiny_text.txt)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", help="write the loss curve (and config) here")
     p.add_argument("--compare", nargs="+", default=[], metavar="JSON", help="other runs' --json files to plot")
-    p.add_argument("--plot", metavar="PNG", help="plot this run and the --compare runs")
+    p.add_argument("--plot", metavar="PNG", help="plot this run and the --compare runs (needs matplotlib)")
     a = p.parse_args(argv)
     fields = {k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__ and v is not None}
     try:
@@ -659,7 +777,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train, write what was asked for, end with a verdict line: 0 on PASS, 1 on FAIL, 2 (one line
+    on stderr, nothing run) for arguments or a setup this machine cannot run."""
     cfg, a = parse_args(argv)
+    try:
+        check_setup(cfg, a)
+    except CannotRun as exc:
+        return cannot_run("train_lm.py", exc)
     run = train(cfg)
     if a.json:
         Path(a.json).write_text(json.dumps(run, indent=1) + "\n", encoding="utf-8")
@@ -667,7 +791,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run] + [json.loads(Path(f).read_text(encoding="utf-8")) for f in a.compare]
         if plot_curves(runs, a.plot):
             print(f"wrote {a.plot}")
-    return 0
+    ok, line = verdict(run)
+    print(line)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

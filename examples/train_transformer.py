@@ -14,8 +14,12 @@ The model is Qwen2.5-0.5B's architecture (``--size 0.5b``: hidden 896, 24 layers
 intermediate 4864) with a 256-symbol byte vocabulary and tied embeddings (0.36B parameters;
 random initialisation — nothing is downloaded), or a tiny one for a CPU smoke run (``--size
 tiny``). It runs on the GPU when there is one (lowgrad's CUDA backend), else on the CPU (the host
-backend). The loss of every step, the median step time, PyTorch's peak memory and lowgrad's
-memory report go to ``--json``.
+backend); the defaults follow the device (:data:`DEFAULTS`: the 0.5B model for 300 steps on a
+GPU, the tiny one for a few seconds of training on the CPU). The loss of every step, the median
+step time, PyTorch's peak memory and lowgrad's memory report go to ``--json``. The last line is
+the verdict: PASS when every loss is finite and the loss fell (exit status 0), else FAIL (1); a
+setup that cannot run (PyTorch or transformers missing, ``--profile`` without a GPU) is one line
+on stderr and exit status 2.
 
     python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce --steps 300 --json out.json
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import math
 import os
 import pstats
 import statistics
@@ -33,17 +38,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError:  # main() says so in one line
+    torch = None
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_lm import CannotRun, OneLineParser, cannot_run, missing_gpus  # noqa: E402  (first: says why lowgrad is missing)
+
 import lowgrad as lg  # noqa: E402
-import lowgrad.torch  # noqa: E402,F401  (lowgrad.torch.attach)
+
+if torch is not None:
+    import lowgrad.torch  # noqa: E402,F401  (lowgrad.torch.attach)
 
 SIZES = {
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
              "num_hidden_layers": 24},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "num_hidden_layers": 2},
+}
+# Defaults by device: on a GPU the 0.5B model's run of BENCHMARKS.md; on the CPU a tiny run of a
+# few seconds (the 0.5B defaults took 3 to 4.5 minutes there even with --size tiny).
+DEFAULTS = {
+    "cuda": {"size": "0.5b", "steps": 300, "micro_steps": 4, "batch": 8, "seq": 512, "log_every": 25},
+    "host": {"size": "tiny", "steps": 30, "micro_steps": 2, "batch": 4, "seq": 64, "log_every": 10},
 }
 
 
@@ -302,38 +321,97 @@ def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {"saved": args.save_grads, "micro_steps": M, "elements": int(pick.numel()), "params": total}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
+    """The arguments (sizes defaulted by device, :data:`DEFAULTS`) and the lowgrad backend,
+    "cuda" where lowgrad sees a GPU, else "host". :class:`CannotRun` for a setup that cannot
+    run here; argument errors are one line (exit status 2)."""
+    def by_device(key: str) -> str:
+        return f"default: {DEFAULTS['cuda'][key]} on a GPU, {DEFAULTS['host'][key]} on the CPU"
+    p = OneLineParser(description=__doc__.split("\n\n")[0] + " On a GPU when there is one, else on the CPU.")
     p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
     p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
     p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
                    help="the sharded strategies' rounding into the bf16 shards")
     p.add_argument("--no-overlap", action="store_true",
                    help="lowgrad: deliver each micro-step's gradients at its end (attach(overlap=False))")
-    p.add_argument("--size", choices=tuple(SIZES), default="0.5b")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--micro-steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--size", choices=tuple(SIZES), help=by_device("size"))
+    p.add_argument("--steps", type=_positive, help=by_device("steps"))
+    p.add_argument("--micro-steps", type=_positive, help=by_device("micro_steps"))
+    p.add_argument("--batch", type=_positive, help=by_device("batch"))
+    p.add_argument("--seq", type=_positive, help=by_device("seq"))
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, help=by_device("log_every") + "; 0: no step lines")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and how "
-                        "much of the side streams' work (lowgrad's) overlaps the compute stream")
+                        "much of the side streams' work (lowgrad's) overlaps the compute stream (needs a GPU)")
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                    help="Python's profiler over STEPS steps from step 2: where the host time goes (every thread "
                         "where the profiler sees them, autograd's hooks included on Python 3.12+)")
     p.add_argument("--save-grads", metavar="PATH.npy",
                    help="instead of training: save --micro-steps micro-batches' fp32 gradients for tools/accuracy.py")
-    p.add_argument("--save-elems", type=int, default=65536, help="with --save-grads: sampled gradient elements")
+    p.add_argument("--save-elems", type=_positive, default=65536, help="with --save-grads: sampled gradient elements")
     args = p.parse_args(argv)
+    if torch is None:
+        raise CannotRun('needs PyTorch: pip install ".[torch]"')
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CannotRun("needs Hugging Face transformers (the Qwen2 model): pip install transformers") from None
     backend = "cuda" if lg.device_count() > 0 else "host"
+    for key, value in DEFAULTS[backend].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.profile and backend != "cuda":
+        raise CannotRun(f"--profile measures the GPU's streams: it {missing_gpus()}")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise CannotRun(f"lowgrad sees {lg.device_count()} GPU(s) but PyTorch has no CUDA (torch {torch.__version__}): "
+                        "install a CUDA build of PyTorch")
+    if args.profile and args.steps < PROFILE_FROM + PROFILE_STEPS:
+        p.error(f"--profile needs --steps >= {PROFILE_FROM + PROFILE_STEPS}")
+    for opt, out in (("--json", args.json), ("--save-grads", args.save_grads)):
+        if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise CannotRun(f"{opt} {out}: no such directory")
+    return args, backend
+
+
+def verdict(result: dict[str, Any]) -> tuple[bool, str]:
+    """PASS when every loss is finite and the loss fell: the mean of the last quarter of the steps
+    below the first step's. The line says what was checked."""
+    loss = result["loss"]
+    k = max(1, len(loss) // 4)
+    end = sum(loss[-k:]) / k
+    finite = all(math.isfinite(x) for x in loss)
+    what = (f"loss {loss[0]:.4f} -> {end:.4f} (mean of the last {k} of {len(loss)} steps), {result['label']}, "
+            f"size {result['size']} on the {'GPU' if result['device'] == 'cuda' else 'CPU'}")
+    if finite and end < loss[0]:
+        return True, f"PASS: the loss fell and every loss is finite: {what}"
+    return False, f"FAIL: {'a loss is not finite' if not finite else 'the loss did not fall'}: {what}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 on PASS, 1 on FAIL, 2 (one line on stderr, nothing run) for a setup that
+    cannot run here."""
+    try:
+        args, backend = parse_args(argv)
+    except CannotRun as exc:
+        return cannot_run("train_transformer.py", exc)
     if args.save_grads:
-        print(lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0])
+        saved = lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0]
+        print(f"wrote {saved.pop('saved')}: {saved}")
         return 0
     if args.profile and backend == "cuda":  # the profiler's CUDA side initialises in the main thread
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
@@ -351,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
+    ok, line = verdict(result)
+    print(line)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
