@@ -1,0 +1,162 @@
+"""Every script in tools/ and examples/ runs or says why in one line (the promise tools/_cli.py
+keeps for the tools, and the examples keep the same way): each one runs here in a subprocess, with
+its default arguments or a documented small size, in a fresh folder with ``OUT`` unset, and either
+
+- succeeds: exit status 0, and an example's last line is its verdict (``PASS: ...``); or
+- cannot run here and says why: exit status 2, exactly one line on stderr, no traceback (on a
+  machine without a GPU, the GPU-only ones say ``needs an NVIDIA GPU and driver``).
+
+Every script has ``--help``; every script of tools/ and examples/ is in :data:`CASES` (a new one
+fails :func:`test_every_script_is_covered` until it is added). On a machine with a GPU the cases
+that would run a GPU benchmark or the 0.5B model for minutes are skipped (tools/gpu_session.sh
+runs them), and the rest may end either way. Each subprocess takes seconds on a 2-core CPU; the
+one slow case (the CPU smoke run of run_transformer_gpu.sh, about 45 s) runs only with
+``LOWGRAD_SLOW_TESTS=1``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lowgrad as lg
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = lg.device_count() > 0
+NEEDS_GPU = "needs an NVIDIA GPU and driver (CUDA backend)"
+
+# (script, arguments, what it does here without a GPU, whether it runs for minutes on a GPU):
+# "ok" exit 0; "verdict" exit 0 and the last line PASS; "gpu" exit 2 with the one line naming the
+# GPU; "why" exit 2 with one line (a setup or arguments it cannot run with).
+CASES = [
+    ("tools/accuracy.py", ["--micro", "16,64", "--n", "1024"], "ok", False),
+    ("tools/accuracy.py", ["--grads", "missing.npy"], "why", False),
+    ("tools/accuracy_world.py", ["--worlds", "1,2", "--micro-steps", "4"], "ok", False),
+    ("tools/accuracy_world.py", ["--worlds", "5"], "why", False),
+    ("tools/bench_graph.py", [], "gpu", True),
+    ("tools/bench_kernels.py", [], "gpu", True),
+    ("tools/bench_layer.py", [], "gpu", True),
+    ("tools/bench_manager.py", [], "gpu", True),
+    ("tools/bench_manager.py", ["--backend", "host"], "ok", False),  # the tiny layout: seconds
+    ("tools/bench_manager.py", ["--backend", "host", "--world", "3"], "why", False),
+    ("tools/fault_soak.py", [], "verdict", False),
+    ("tools/nccl_bench.py", [], "gpu", True),
+    ("tools/predict_scaling.py", [], "ok", False),
+    ("tools/predict_scaling.py", ["--bench-layer", "missing.json"], "why", False),
+    ("tools/race_hunt.py", [], "gpu", True),
+    ("examples/train_lm.py", [], "verdict", False),
+    ("examples/train_lm.py", ["--backend", "torch"], "gpu", False),
+    ("examples/train_lm.py", ["--backend", "cupy"], "gpu", False),
+    ("examples/train_lm.py", ["--world", "3"], "why", False),
+    ("examples/train_lm.py", ["--world", "0"], "why", False),
+    ("examples/train_transformer.py", [], "verdict", True),  # CPU: the tiny model, 30 steps
+    ("examples/train_transformer.py", ["--profile"], "gpu", True),
+    ("examples/plot_losses.py", [], "why", False),
+    ("examples/run_gpu.sh", [], "gpu", True),
+    ("examples/run_transformer_gpu.sh", [], "gpu", True),
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This Python first on PATH (the shell scripts call python3), OUT unset."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def _run(script: str, args: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = ["bash"] if script.endswith(".sh") else [sys.executable]
+    return subprocess.run([*cmd, str(REPO / script), *args], cwd=cwd, env=_env(**env), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def _says_why(proc: subprocess.CompletedProcess[str]) -> str:
+    """The one line of a script that cannot run (exit 2, one line on stderr, no traceback)."""
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    return lines[0]
+
+
+@pytest.mark.parametrize("script,args,cpu,long_on_gpu", CASES, ids=[f"{c[0]} {' '.join(c[1])}".strip() for c in CASES])
+def test_runs_or_says_why_in_one_line(script: str, args: list[str], cpu: str, long_on_gpu: bool,
+                                      tmp_path: Path) -> None:
+    if GPU and long_on_gpu:
+        pytest.skip("runs for minutes on a GPU: tools/gpu_session.sh and the GPU scripts run it")
+    proc = _run(script, args, tmp_path)
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    if GPU and proc.returncode == 2:  # a GPU machine may still lack something (CuPy, a CUDA PyTorch)
+        _says_why(proc)
+        return
+    if GPU and cpu == "gpu":
+        cpu = "verdict" if script.startswith("examples/") else "ok"
+    if cpu in ("ok", "verdict"):
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+        if cpu == "verdict":
+            assert proc.stdout.splitlines()[-1].startswith("PASS: ") or proc.stdout.splitlines()[-1] == "PASS", \
+                proc.stdout[-2000:]
+    else:
+        line = _says_why(proc)
+        name = Path(script).stem
+        assert line.startswith(name), line  # the script names itself
+        if cpu == "gpu":
+            assert NEEDS_GPU in line, line
+
+
+def test_every_script_is_covered() -> None:
+    scripts = {str(p.relative_to(REPO)) for p in [*REPO.glob("tools/*.py"), *REPO.glob("examples/*.py"),
+                                                  *REPO.glob("examples/*.sh")] if p.name != "_cli.py"}
+    assert scripts <= {c[0] for c in CASES}, f"not run by this test: {sorted(scripts - {c[0] for c in CASES})}"
+
+
+@pytest.mark.parametrize("script", sorted({c[0] for c in CASES}))
+def test_help(script: str, tmp_path: Path) -> None:
+    proc = _run(script, ["--help"], tmp_path, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert "usage:" in proc.stdout or script.endswith(".sh") and "bash examples/" in proc.stdout, proc.stdout
+
+
+def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    """A stand-in matplotlib that fails to import, as on an install without the plot extra; with
+    the real one (where installed) the same curve is plotted."""
+    run = _run("examples/train_lm.py", ["--steps", "3", "--quiet", "--json", "run.json"], tmp_path)
+    assert run.returncode == 0 and (tmp_path / "run.json").is_file(), run.stderr
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib (stand-in)')\n")
+    proc = _run("examples/plot_losses.py", ["run.json"], tmp_path, PYTHONPATH=str(fake.parent))
+    assert ".[plot]" in _says_why(proc) and not (tmp_path / "losses.png").exists()
+    lm = _run("examples/train_lm.py", ["--plot", "x.png"], tmp_path, PYTHONPATH=str(fake.parent))
+    assert ".[plot]" in _says_why(lm)
+    pytest.importorskip("matplotlib")
+    ok = _run("examples/plot_losses.py", ["run.json", "--out", "curve.png"], tmp_path)
+    assert ok.returncode == 0 and (tmp_path / "curve.png").is_file(), ok.stderr
+
+
+def test_outputs_go_to_out_or_the_current_folder_never_the_repository_root(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run("tools/predict_scaling.py", [], tmp_path, OUT=str(out))
+    assert proc.returncode == 0 and (out / "predict_scaling.json").is_file(), proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"wrote {out / 'predict_scaling.json'}"
+    root = _run("tools/predict_scaling.py", [], REPO)
+    assert root.returncode == 0, root.stderr
+    wrote = Path(root.stdout.splitlines()[-1].removeprefix("wrote "))
+    assert wrote.is_file() and REPO not in wrote.resolve().parents, wrote
+    missing = _run("tools/accuracy.py", ["--n", "16", "--micro", "2"], tmp_path, OUT=str(tmp_path / "absent"))
+    assert "no such directory" in _says_why(missing)
+
+
+@pytest.mark.skipif(not os.environ.get("LOWGRAD_SLOW_TESTS"), reason="slow (about 45 s on 2 cores): "
+                    "set LOWGRAD_SLOW_TESTS=1")
+@pytest.mark.skipif(GPU, reason="the CPU smoke run")
+def test_run_transformer_gpu_cpu_smoke_run(tmp_path: Path) -> None:
+    """The CPU smoke run its header documents: every run passes, the profile is skipped."""
+    proc = _run("examples/run_transformer_gpu.sh", [str(tmp_path / "tt")], tmp_path, timeout=600, SIZE="tiny",
+                STEPS="2", GRAD_MICRO="8", BATCH="2", SEQ="32")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].startswith("PASS: "), proc.stdout[-3000:]
+    assert "profile: skipped (no GPU)" in proc.stdout
