@@ -121,8 +121,8 @@ def test_help(script: str, tmp_path: Path) -> None:
 
 
 def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
-    """A stand-in matplotlib that fails to import, as on an install without the plot extra; with
-    the real one (where installed) the same curve is plotted."""
+    """A stand-in matplotlib that fails to import, as on an install without the plot extra (the
+    README's test command installs none, so the plot itself is not run here)."""
     run = _run("examples/train_lm.py", ["--steps", "3", "--quiet", "--json", "run.json"], tmp_path)
     assert run.returncode == 0 and (tmp_path / "run.json").is_file(), run.stderr
     fake = tmp_path / "fake" / "matplotlib"
@@ -132,9 +132,6 @@ def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     assert ".[plot]" in _says_why(proc) and not (tmp_path / "losses.png").exists()
     lm = _run("examples/train_lm.py", ["--plot", "x.png"], tmp_path, PYTHONPATH=str(fake.parent))
     assert ".[plot]" in _says_why(lm)
-    pytest.importorskip("matplotlib")
-    ok = _run("examples/plot_losses.py", ["run.json", "--out", "curve.png"], tmp_path)
-    assert ok.returncode == 0 and (tmp_path / "curve.png").is_file(), ok.stderr
 
 
 def test_outputs_go_to_out_or_the_current_folder_never_the_repository_root(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ repeats. Sizes are the full buffer (nccl-tests' convention) and
 The torch peer runs the same points in ``world`` spawned processes (``init_method=file://``,
 backend ``nccl``; world 1 is a single-process group), with ``reduce_scatter_tensor``,
 ``all_gather_into_tensor``, ``all_reduce`` and ``all_to_all_single``. Prints a table
-(GB/s = 1e9 B/s) and writes JSON with ``--json PATH``; ``ratio`` is lowgrad busbw / torch busbw.
+(GB/s = 1e9 B/s) and writes JSON (``--json PATH``); ``ratio`` is lowgrad busbw / torch busbw.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import CannotRun, Parser, require_cuda, run  # noqa: E402
+from _cli import Parser, output_help, output_path, require_cuda, run  # noqa: E402
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
 DTYPES = ("bf16", "fp32")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all visible)")
     ap.add_argument("--timeout", type=float, default=300.0, help="communicator timeout in seconds")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.distributed peer")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--json", metavar="PATH", help=output_help("nccl_bench.json"))
     args = ap.parse_args(argv)
 
     ops = [o for o in args.ops.split(",") if o]
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"bad arguments: {bad or 'sizes/factor'}")
     if args.world < 0:
         ap.error("--world must be at least 1 (0: every visible GPU)")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise CannotRun(f"--json {args.json}: no such directory")
+    args.json = output_path("nccl_bench.json", args.json)
 
     import lowgrad as lg
     from lowgrad.cuda import nccl
@@ -246,11 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = merge(ours, theirs, world)
     print(table(rows))
     print(f"torch peer: {torch_note}; ratio = torch ms / lowgrad ms (= lowgrad busbw / torch busbw)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"world": world, "nccl": nccl.version(), "nccl_library": nccl.library_path(),
-                       "torch": torch_note, "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
+    with open(args.json, "w") as f:
+        json.dump({"world": world, "nccl": nccl.version(), "nccl_library": nccl.library_path(),
+                   "torch": torch_note, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
     return 0
 
 
