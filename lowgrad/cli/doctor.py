@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 JSON_VERSION = 1  # of the --json document's layout
 
 
-class Absent(Exception):
-    """A check's subject is not installed here (reported ``absent``, not a failure)."""
+class Absent(str):
+    """What a check returns when its subject is not installed here: the line is ``absent``, not
+    FAILED (a result, not an exception: every lowgrad exception is a public LowgradError)."""
 
 
 class _Doctor:
@@ -74,13 +75,16 @@ class _Doctor:
             print(text)
 
     def check(self, name: str, fn: Callable[[], str]) -> bool:
-        """Run ``fn`` and print ``name``'s line; True when it is ok. :class:`Absent` and a
-        CudaUnavailableError are ``absent``, not FAILED."""
+        """Run ``fn`` and print ``name``'s line; True when it is ok. An :class:`Absent` result
+        and a CudaUnavailableError are ``absent``, not FAILED."""
         from lowgrad.core.errors import CudaUnavailableError
 
         try:
             detail = fn()
-        except (Absent, CudaUnavailableError) as exc:
+            if isinstance(detail, Absent):
+                self.line("absent", name, detail)
+                return False
+        except CudaUnavailableError as exc:
             self.line("absent", name, str(exc))
         except Exception as exc:  # the doctor reports every failure and carries on
             self.line("FAILED", name, f"{type(exc).__name__}: {exc}")
@@ -142,7 +146,7 @@ def _nvrtc() -> str:
         major, minor = compiler.nvrtc_version()
     except NvrtcError as exc:
         if _not_found(exc.__cause__):
-            raise Absent(f"not installed ({str(exc.__cause__).strip()}): {_GET_GPU_STACK}") from exc
+            return Absent(f"not installed ({str(exc.__cause__).strip()}): {_GET_GPU_STACK}")
         raise  # there but failing to load, or a broken cuda-bindings: FAILED
     return f"NVRTC {major}.{minor} from {_loaded('libnvrtc')}; kernel sources {compiler.kernel_dir()}"
 
@@ -169,10 +173,10 @@ def _nccl() -> str:
 
     try:
         nccl.lib()
-    except nccl.NcclLibraryError as exc:
+    except nccl.NcclLibraryError:
         if _nccl_absent():
-            raise Absent(f"not installed (no libnccl in the nvidia-nccl-cu12/-cu13 wheels nor on the loader "
-                         f"path; LOWGRAD_NCCL_LIBRARY unset): {_GET_GPU_STACK}") from exc
+            return Absent(f"not installed (no libnccl in the nvidia-nccl-cu12/-cu13 wheels nor on the loader "
+                          f"path; LOWGRAD_NCCL_LIBRARY unset): {_GET_GPU_STACK}")
         raise  # a library that is there but does not load, or lacks symbols: FAILED
     return f"NCCL {'.'.join(map(str, nccl.version()))} from {nccl.library_path()}"
 
