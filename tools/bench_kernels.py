@@ -29,7 +29,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-from _cli import Parser, output_help, output_path, require_cuda, run  # noqa: E402
+from _cli import CannotRun, Parser, output_help, output_path, require_cuda, run  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 TARGETS = (  # (result key, comparison, bound, description), from the issue
@@ -419,8 +419,11 @@ def _subprocess_json(code: str, args: list[str], env: dict[str, str]) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.json = output_path("bench_kernels.json", args.json)
-    require_cuda(args.device + 1)
+    require_cuda()
     import lowgrad as lg
+
+    if args.device >= lg.device_count():
+        raise CannotRun(f"--device {args.device}: {lg.device_count()} GPU(s) visible")
 
     t_start = time.perf_counter()
     b = Bench(lg, args.device, args.repeats)
