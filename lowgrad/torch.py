@@ -456,6 +456,7 @@ class ShardOptimizer:
         self.skipped_steps = 0
         #: the global gradient norm of the last step (finite or not)
         self.last_norm = math.nan
+        self._stepped: int | None = None  # the manager's step count when step() last ran
         biggest = max(p.numel() for p in self._module_params)
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
             if self.world > 1 else None
@@ -468,7 +469,8 @@ class ShardOptimizer:
         """One optimizer step from the completed step's shards; True when it was applied, False
         when it was skipped for a non-finite global gradient norm (then nothing changed:
         parameters, master weights and optimizer state are as before; with ``nonfinite="raise"``
-        it raises instead). With ``max_norm`` the gradients are first scaled by ``min(1,
+        it raises instead); ProtocolError, with nothing changed, when no step has completed since
+        the last call. With ``max_norm`` the gradients are first scaled by ``min(1,
         max_norm / (norm + eps))``, computed in float64 as :meth:`Attached.clip_coefficient`.
 
         Reads the norm on the host: one sync per step, as ``GradScaler`` makes (the host waits
@@ -477,8 +479,11 @@ class ShardOptimizer:
         if max_norm is not None:
             max_norm = _check_max_norm(max_norm)
         att = self.attached
+        if att.gm.step == self._stepped:  # the shards still hold the step already applied (or skipped)
+            raise ProtocolError(f"ShardOptimizer.step: no step has completed since the last call (the manager is "
+                                f"at step {att.gm.step}): its gradients would be applied twice")
         norm = math.sqrt(float(att.grad_norm_squared()))  # float64 from the float32 sum of squares
-        self.last_norm = norm
+        self.last_norm, self._stepped = norm, att.gm.step
         if not math.isfinite(norm):
             self.skipped_steps += 1
             if self.nonfinite == "raise":

@@ -144,6 +144,10 @@ def test_non_finite_step_changes_nothing_and_raise_policy() -> None:
             with att.micro_step(0, 1):
                 loss(model, c.rank, 2).backward()
             assert opt.step(max_norm=1.0) is True and np.isfinite(opt.last_norm)
+            after = state(model, opt)
+            with pytest.raises(ProtocolError, match="no step has completed"):  # twice: refused, nothing changed
+                opt.step(max_norm=1.0)
+            assert same(state(model, opt), after)
             opt.close()
         with pytest.raises(ValueError, match="nonfinite"):
             ShardOptimizer(att, nonfinite="ignore")
