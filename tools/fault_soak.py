@@ -38,7 +38,13 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import torch  # noqa: E402
+try:  # the soak trains through lowgrad.torch: without PyTorch and transformers, one line
+    import torch
+    import transformers  # noqa: F401
+except ImportError as _exc:
+    print(f"fault_soak: needs PyTorch and transformers ({_exc}): pip install \".[torch]\" transformers",
+          file=sys.stderr)
+    sys.exit(2)
 
 import lowgrad as lg  # noqa: E402
 import lowgrad.torch  # noqa: E402,F401

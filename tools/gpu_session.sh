@@ -6,6 +6,7 @@
 #   bash tools/gpu_session.sh            (from the repository root; PYTHONPATH=. is set here)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
+python3 tools/_cli.py needs-gpu gpu_session.sh || exit 2  # one line and status 2 without a GPU
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0
 # a fresh state: the kernel cache starts empty, so the suite compiles every kernel itself
 export LOWGRAD_CACHE_DIR=${LOWGRAD_CACHE_DIR:-/tmp/lowgrad-session-cache}
