@@ -9,10 +9,10 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+from test_managers import STRATS, bf16_grad, small_layout
 
 import lowgrad as lg
 from lowgrad.managers import ProtocolError
-from test_managers import STRATS, bf16_grad, small_layout
 
 
 class Fault(Exception):

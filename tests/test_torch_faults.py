@@ -16,8 +16,9 @@ import lowgrad as lg
 from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
 
 torch = pytest.importorskip("torch")
+from test_torch_adapter import Tiny, by_hand, loss, shards  # noqa: E402
+
 from lowgrad.torch import ShardOptimizer, attach, module_layout  # noqa: E402
-from test_torch_adapter import LAYERS, Tiny, add, loss, shards  # noqa: E402
 
 KW = {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}
 
@@ -178,7 +179,6 @@ def by_hand_two_backwards(c: Any, M: int) -> dict[str, Any]:
     """Plain PyTorch accumulates two backward passes per micro-step in p.grad; the manager fed
     those sums by hand."""
     model = Tiny()
-    layout = module_layout(model)[0]
     model_grads = []
     for m in range(M):
         model.zero_grad(set_to_none=True)
@@ -186,20 +186,7 @@ def by_hand_two_backwards(c: Any, M: int) -> dict[str, Any]:
         loss(model, c.rank, m + 50).backward()
         model_grads.append({n: p.grad.view(torch.int16).numpy().view(np.uint16).copy()
                             for n, p in model.named_parameters()})
-    gm = lg.create_gradient_manager(layout, c, strategy="scatter_reduce", seed=7)
-    for m, g in enumerate(model_grads):
-        gm.start_micro_step(None, m, M)
-        for s in layout.non_block:
-            t, acc = gm.non_block_full(s.name, None)
-            add(t, g[s.name], acc)
-            gm.notify_non_block(s.name, None)
-        for layer in reversed(range(layout.num_layers)):
-            dw, acc = gm.block_full(layer, None)
-            for s in layout.block:
-                add(dw[s.name], g[f"layers.{layer}.{s.name}"], acc)
-            gm.notify_block(layer, None)
-        gm.end_micro_step(None)
-    return shards(gm, layout)
+    return by_hand(c, module_layout(model)[0], model_grads, "scatter_reduce")
 
 
 def test_several_backwards_in_one_micro_step() -> None:
@@ -279,6 +266,3 @@ def test_bad_micro_step_arguments_change_nothing() -> None:
     for g, w in zip(got, want):
         assert all(np.array_equal(g[k], w[k]) for k in w)
 
-
-def test_layers_constant_matches_the_model() -> None:
-    assert len(Tiny().layers) == LAYERS

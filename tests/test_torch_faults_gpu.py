@@ -13,9 +13,10 @@ import lowgrad as lg
 from lowgrad.core.errors import ProtocolError
 
 torch = pytest.importorskip("torch")
-from lowgrad.torch import attach  # noqa: E402
 from test_torch_adapter import Tiny, loss  # noqa: E402
 from test_torch_faults import check_skipped, on_device, run  # noqa: E402
+
+from lowgrad.torch import attach  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
