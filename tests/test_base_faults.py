@@ -135,6 +135,13 @@ def test_discard_between_steps_does_nothing() -> None:
             assert np.array_equal(v.view(np.uint32), before[key].view(np.uint32))
         with pytest.raises(TypeError):
             gm.discard_step("not a stream")
+        with pytest.raises(ValueError, match="positive"):
+            gm.discard_step(s, 0)
+        last = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", step=2 ** 32 - 1)
+        with pytest.raises(OverflowError):  # no step left to discard into: nothing changes
+            last.discard_step(s, 2)
+        assert last.discard_step(s) is False and not last.in_micro_step
+        last.close()
         gm.close()
         with pytest.raises(lg.ClosedError):
             gm.discard_step(s)

@@ -279,13 +279,13 @@ class GradientManager(NonBlockGradients, ABC):
                 raise ProtocolError(f"discard_step(total_micro_steps={total}) during a step of {state.total}")
         if idle and total is None:
             return False
-        if idle:
-            check_step_room(f"discard_step of step {self.step}", self.step + 1)
-            state.total = total
+        M = total if idle else state.total
+        if idle:  # refused (the step counter's last value) with nothing changed
+            self.start_micro_step(stream, 0, M)
         try:
             while True:
                 if not state.in_micro:
-                    self.start_micro_step(stream, state.next_micro, state.total)
+                    self.start_micro_step(stream, state.next_micro, M)
                 for name in sorted(state.nb_open):
                     self._poison([self._nb(name)], stream)
                     self.notify_non_block(name, stream)
