@@ -229,9 +229,9 @@ class Attached:
         on PyTorch's current stream (``total_micro_steps``: discard a whole step that has not
         begun, so that peers running it are not left waiting). Faults inside ``micro_step``
         discard by themselves."""
-        stream = self.current_stream()
+        discarded = self.gm.discard_step(self.current_stream(), total_micro_steps)  # checks its arguments first
         self._drop_grads()
-        return self.gm.discard_step(stream, total_micro_steps)
+        return discarded
 
     def _abandon(self, stream: Any) -> None:
         """After an exception inside a micro-step: no gradient left in ``p.grad``, the step
