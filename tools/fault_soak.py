@@ -190,27 +190,28 @@ def train(comm: Any, a: argparse.Namespace, template: Any, device: torch.device,
     model = copy.deepcopy(template).to(device)
     att = lowgrad.torch.attach(model, comm, strategy=a.strategy, seed=a.seed)
     opt = lowgrad.torch.ShardOptimizer(att, torch.optim.AdamW, master_weights=True, lr=1e-3, weight_decay=0.1)
-    applied, records = [], []
-    for step in range(a.steps):
-        if skip is not None and step in skip:
-            spend_step(att)
-            continue
-        f = faults.get(step) if skip is None else None
-        f = f if f is not None and f.rank == comm.rank else None
-        rec = faulty_step(att, opt, a, device, comm.rank, step, f)
-        applied.append(opt.step(max_norm=1.0))  # every rank, every step: False on all for a skipped one
-        if f is not None:
-            survived = rec["ok"] and applied[-1] == (f.kind == "badarg")
-            records.append({**rec, "applied": applied[-1], "survived": survived})
-    state = {f"param.{n}": p.detach() for n, p in model.named_parameters()}
-    state |= {f"master.{i}": p.detach() for i, p in enumerate(opt.params)}
-    for i, p in enumerate(opt.params):  # exp_avg, exp_avg_sq, step
-        state |= {f"adamw.{i}.{k}": torch.as_tensor(v) for k, v in opt.optimizer.state.get(p, {}).items()}
-    state = {k: v.cpu().clone() for k, v in state.items()} | {"gm.step": torch.tensor(att.gm.step)}
-    out = {"state": state, "applied": applied, "records": records, "skipped_steps": opt.skipped_steps}
-    opt.close()
-    att.close()
-    return out
+    try:  # closed however the run ends: a crashed run must not leave its views and buffers behind
+        applied, records = [], []
+        for step in range(a.steps):
+            if skip is not None and step in skip:
+                spend_step(att)
+                continue
+            f = faults.get(step) if skip is None else None
+            f = f if f is not None and f.rank == comm.rank else None
+            rec = faulty_step(att, opt, a, device, comm.rank, step, f)
+            applied.append(opt.step(max_norm=1.0))  # every rank, every step: False on all for a skipped one
+            if f is not None:
+                survived = rec["ok"] and applied[-1] == (f.kind == "badarg")
+                records.append({**rec, "applied": applied[-1], "survived": survived})
+        state = {f"param.{n}": p.detach() for n, p in model.named_parameters()}
+        state |= {f"master.{i}": p.detach() for i, p in enumerate(opt.params)}
+        for i, p in enumerate(opt.params):  # exp_avg, exp_avg_sq, step
+            state |= {f"adamw.{i}.{k}": torch.as_tensor(v) for k, v in opt.optimizer.state.get(p, {}).items()}
+        state = {k: v.cpu().clone() for k, v in state.items()} | {"gm.step": torch.tensor(att.gm.step)}
+        return {"state": state, "applied": applied, "records": records, "skipped_steps": opt.skipped_steps}
+    finally:
+        opt.close()
+        att.close()
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
