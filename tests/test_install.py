@@ -109,6 +109,7 @@ def test_the_torch_extra_goes_with_cu13_and_refuses_cu12() -> None:
 
 def test_test_and_plot_extras() -> None:
     extras = _project()["optional-dependencies"]
-    assert set(_reqs(extras["test"])) == {"pytest", "hypothesis", "pytest-timeout"}  # timeout = in [tool.pytest]
+    assert set(_reqs(extras["test"])) == {"pytest", "hypothesis", "pytest-timeout",  # timeout = in [tool.pytest]
+                                          "ruff", "mypy"}  # tests/test_lint.py
     assert set(_reqs(extras["plot"])) == {"matplotlib"}  # examples/plot_losses.py
     assert set(extras) == {"cu12", "cu13", "test", "torch", "plot"}  # a new extra: README's table names it
