@@ -104,7 +104,8 @@ def rows(runs: Runs) -> list[tuple[str, str, str, str, dict[str, Any]]]:
         r = next(x for x in lay["rows"] if x["variant"] == "multi, resident grid, device seeds")
         best = max(lay["rows"], key=lambda x: x["ratio"])
         out.append(("One layer's SR accumulation, 12 tensors in one launch (Qwen2.5-1.5B block)",
-                    f"{r['us_per_layer']:.1f} µs per layer", f"**{r['ratio']:.3f}** (device copy {_gbs(lay['copy_bw'])}; "
+                    f"{r['us_per_layer']:.1f} µs per layer",
+                    f"**{r['ratio']:.3f}** (device copy {_gbs(lay['copy_bw'])}; "
                     f"best launch shape {best['ratio']:.3f})", "—", run))
     got = runs.load("manager")
     if got:
@@ -183,11 +184,11 @@ def rows(runs: Runs) -> list[tuple[str, str, str, str, dict[str, Any]]]:
             return f"{sum(c['loss'][n - 10:n]) / 10:.3f}"
 
         name = {"torch_fp32": "PyTorch fp32", "torch_bf16": "PyTorch bf16"}
-        lg = [c for c in curves if c["mode"] == "lowgrad"]
+        ours = [c for c in curves if c["mode"] == "lowgrad"]
         pt = [c for c in curves if c["mode"] != "lowgrad"]
         out.append((f"Loss, mean of the last 10 of {n} steps (AdamW, {curves[0]['micro_steps']} micro-steps of "
                     f"{curves[0]['batch']} × {curves[0]['seq']} bytes)",
-                    "; ".join(f"`{c['rounding']}` seed {c['seed']}: {last10(c)}" for c in lg), "—",
+                    "; ".join(f"`{c['rounding']}` seed {c['seed']}: {last10(c)}" for c in ours), "—",
                     "; ".join(f"{name.get(c['mode'], c['mode'])} seed {c['seed']}: {last10(c)}" for c in pt), run))
     got = runs.load("accuracy")
     if got:
@@ -226,7 +227,8 @@ def rows(runs: Runs) -> list[tuple[str, str, str, str, dict[str, Any]]]:
 def render(runs: Runs | None = None) -> str:
     """The block between the markers (without them)."""
     runs = runs or Runs()
-    lines = ["| measurement | lowgrad | ratio to the ceiling (ceiling) | peer in the same run | run · date · card · commit |",
+    lines = ["| measurement | lowgrad | ratio to the ceiling (ceiling) | peer in the same run "
+             "| run · date · card · commit |",
              "| --- | --- | --- | --- | --- |"]
     used: dict[int, dict[str, Any]] = {}
     for what, lg, ratio, peer, run in rows(runs):
@@ -243,9 +245,9 @@ def render(runs: Runs | None = None) -> str:
     for png, alt, kind in (("loss_curves.png", "Loss curves", "loss_curves"),
                            ("accuracy.png", "Accumulation error against micro-steps", "accuracy"),
                            ("manager.png", "Micro-step time by strategy", "manager")):
-        run = runs.latest(kind)
-        if run is not None:
-            lines.append(f"![{alt} (run {run['run']})](benchmarks/{PLOTS}/{png})")
+        latest = runs.latest(kind)
+        if latest is not None:
+            lines.append(f"![{alt} (run {latest['run']})](benchmarks/{PLOTS}/{png})")
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -268,8 +270,9 @@ def plots(runs: Runs | None = None, out: Path | None = None) -> list[Path]:
         for c in curves:
             loss = c["loss"]
             smooth = [sum(loss[max(0, i - w + 1):i + 1]) / len(loss[max(0, i - w + 1):i + 1]) for i in range(len(loss))]
+            peers = {"torch_fp32": "PyTorch fp32 grads", "torch_bf16": "PyTorch bf16 grads"}
             label = (f"lowgrad {c['strategy']} {c['rounding']}" if c["mode"] == "lowgrad"
-                     else {"torch_fp32": "PyTorch fp32 grads", "torch_bf16": "PyTorch bf16 grads"}.get(c["mode"], c["mode"]))
+                     else peers.get(c["mode"], c["mode"]))
             ax.plot(smooth, label=f"{label}, seed {c['seed']}", lw=1.2,
                     ls="-" if c["mode"] == "lowgrad" else "--")
         ax.set_xlabel("step")

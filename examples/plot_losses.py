@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_lm import NEEDS_MATPLOTLIB, CannotRun, OneLineParser, cannot_run, plot_curves  # noqa: E402
+from train_lm import NEEDS_MATPLOTLIB, CannotRun, OneLineParser, cannot_run, plot_curves
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,9 +60,10 @@ import math
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, ContextManager, NoReturn
+from typing import Any, NoReturn
 
 try:
     import numpy as np
@@ -154,10 +155,10 @@ class Corpus:
 
 def layout_of(cfg: Config, vocab: int) -> lg.Layout:
     H = cfg.hidden
-    return lg.Layout(block=[lg.ParamSpec("w", (H, H)), lg.ParamSpec("b", (H,))],
-                     non_block=[lg.ParamSpec("embed", (vocab, cfg.embed)),
+    return lg.Layout(block=(lg.ParamSpec("w", (H, H)), lg.ParamSpec("b", (H,))),
+                     non_block=(lg.ParamSpec("embed", (vocab, cfg.embed)),
                                 lg.ParamSpec("w_in", (H, cfg.context * cfg.embed)),
-                                lg.ParamSpec("head", (vocab, H))],
+                                lg.ParamSpec("head", (vocab, H))),
                      num_layers=cfg.layers)
 
 
@@ -170,7 +171,7 @@ class Backend(ABC):
     def __init__(self, device: Any) -> None:
         self.device = device  # the lowgrad device
 
-    def on(self, stream: Any) -> ContextManager[Any]:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Make the library run on lowgrad ``stream`` inside the ``with`` block."""
         return contextlib.nullcontext()
 
@@ -272,7 +273,7 @@ class CupyBackend(XpBackend):
         import cupy
         self.xp = cupy
 
-    def on(self, stream: Any) -> ContextManager[Any]:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         cp, es = self.xp, contextlib.ExitStack()
         es.enter_context(cp.cuda.Device(self.device.ordinal))
         es.enter_context(cp.cuda.ExternalStream(stream.handle))  # CuPy's current stream is now s
@@ -312,7 +313,7 @@ class TorchBackend(Backend):
         self.cuda = device.backend == "cuda"
         self.tdev = torch.device("cuda", device.ordinal) if self.cuda else torch.device("cpu")
 
-    def on(self, stream: Any) -> ContextManager[Any]:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         if not self.cuda:
             return contextlib.nullcontext()
         self.torch.cuda.set_device(self.tdev)
@@ -365,7 +366,8 @@ class TorchBackend(Backend):
 
 
 def make_backend(name: str, device: Any) -> Backend:
-    return {"numpy": NumpyBackend, "cupy": CupyBackend, "torch": TorchBackend}[name](device)
+    backends: dict[str, type[Backend]] = {"numpy": NumpyBackend, "cupy": CupyBackend, "torch": TorchBackend}
+    return backends[name](device)
 
 
 # ---- the model -----------------------------------------------------------------------------
@@ -382,7 +384,10 @@ class Model:
         }
         blocks = [{"w": rng.standard_normal((H, H)) * 0.5 / math.sqrt(H), "b": np.zeros(H)}
                   for _ in range(cfg.layers)]
-        f32 = lambda a, n: lg.from_numpy(a.astype(np.float32), dev, name=f"weight.{n}")  # noqa: E731
+
+        def f32(a: np.ndarray, n: str) -> lg.Tensor:
+            return lg.from_numpy(a.astype(np.float32), dev, name=f"weight.{n}")
+
         self.non_block = {n: f32(a, n) for n, a in init.items()}                  # lowgrad tensors
         self.blocks = [{n: f32(a, n) for n, a in b.items()} for b in blocks]
         self.nb = {n: be.view32(t) for n, t in self.non_block.items()}             # backend views
@@ -565,7 +570,7 @@ def run_rank(comm: Any, cfg: Config, corpus: Corpus) -> dict[str, Any]:
     be = make_backend(cfg.backend, comm.device)
     dev, rank, M = comm.device, comm.rank, cfg.micro_steps
     s = dev.stream()  # the engine stream
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 and not cfg.quiet else (lambda *a: None)
+    say: Callable[..., None] = (lambda *a: print(*a, flush=True)) if rank == 0 and not cfg.quiet else (lambda *a: None)
     with be.on(s):
         layout = layout_of(cfg, corpus.vocab)
         model = Model(be, cfg, layout)

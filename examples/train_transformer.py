@@ -41,16 +41,16 @@ from typing import Any
 try:
     import torch
 except ImportError:  # main() says so in one line
-    torch = None
+    torch = None  # type: ignore[assignment]  # the module or None: main() checks before any use
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_lm import CannotRun, OneLineParser, cannot_run, missing_gpus  # noqa: E402  (first: says why lowgrad is missing)
+from train_lm import CannotRun, OneLineParser, cannot_run, missing_gpus  # first: says why lowgrad is missing
 
-import lowgrad as lg  # noqa: E402
+import lowgrad as lg
 
 if torch is not None:
-    import lowgrad.torch  # noqa: E402,F401  (lowgrad.torch.attach)
+    import lowgrad.torch  # lowgrad.torch.attach
 
 SIZES = {
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -105,7 +105,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = build(args.size, dtype, device, args.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     kw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
-    attached = opt = masters = None
+    attached = masters = None
+    opt: Any = None  # lowgrad's ShardOptimizer or torch's AdamW (their step() takes different arguments)
     if args.mode == "lowgrad":
         rounding = None if args.strategy == "unsharded" else args.rounding
         attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding,
@@ -151,13 +152,14 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             phases.mark(2 + 2 * m)
             total += loss.detach()
         if attached is not None:
-            opt.step(max_norm=args.clip)  # type: ignore[union-attr]
+            opt.step(max_norm=args.clip)
         else:
             torch.nn.utils.clip_grad_norm_(params, args.clip)
             if masters is not None:
                 for p, mp in zip(params, masters):
+                    assert p.grad is not None  # backward gave every trainable parameter one
                     mp.grad = p.grad.float()
-            opt.step()  # type: ignore[union-attr]
+            opt.step()
             if masters is not None:
                 with torch.no_grad():
                     for p, mp in zip(params, masters):
@@ -170,7 +172,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         if attached is not None:
             host_s.append(attached.host_seconds - host0)
-        if args.cprofile and step == 1 + args.cprofile:
+        if cprof is not None and step == 1 + args.cprofile:  # started at step 2 when --cprofile is given
             cprof.disable()
             pstats.Stats(cprof).sort_stats("tottime").print_stats(40)
         if prof is not None and step == PROFILE_FROM + PROFILE_STEPS - 1:
@@ -193,7 +195,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
            "phases": phases.summary(skip=min(2, args.steps - 1)),
            "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled}
     if attached is not None:
-        opt.close()  # type: ignore[union-attr]
+        opt.close()
         attached.close()
     return out
 
@@ -315,7 +317,11 @@ def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.float().reshape(-1, 256), y.reshape(-1))
         (loss / M).backward()
-        torch.cat([p.grad.reshape(-1)[i] for p, i in per_param], out=rows[m])
+        grads = []
+        for p, i in per_param:
+            assert p.grad is not None  # backward gave every trainable parameter one
+            grads.append(p.grad.reshape(-1)[i])
+        torch.cat(grads, out=rows[m])
     import numpy as np
     np.save(args.save_grads, rows.cpu().numpy())
     return {"saved": args.save_grads, "micro_steps": M, "elements": int(pick.numel()), "params": total}
@@ -356,8 +362,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     p.add_argument("--log-every", type=int, help=by_device("log_every") + "; 0: no step lines")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
-                   help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and how "
-                        "much of the side streams' work (lowgrad's) overlaps the compute stream (needs a GPU)")
+                   help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and "
+                        "how much of the side streams' work (lowgrad's) overlaps the compute stream (needs a GPU)")
     p.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
                    help="Python's profiler over STEPS steps from step 2: where the host time goes (every thread "
                         "where the profiler sees them, autograd's hooks included on Python 3.12+)")

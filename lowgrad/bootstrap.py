@@ -70,7 +70,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
             if c is not None:
                 try:
                     c.abort()
-                except Exception:  # a failing abort must not hide the original error
+                except Exception:  # noqa: BLE001 - a failing abort must not hide the original error
                     pass
 
     def body(rank: int) -> None:

@@ -29,8 +29,8 @@ from lowgrad.sr.checks import (
 from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
-           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_nan", "fill_zero", "norm_squared",
-           "reduce_sr"]
+           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_nan", "fill_zero",
+           "norm_squared", "reduce_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)
@@ -228,7 +228,7 @@ def _fill(dst: Tensor, byte: int, stream: StreamLike) -> None:
     h = stream_handle(stream)
     _tensor(dst, "dst")
     _kernel_memory(dst.device, (dst, "dst"))
-    dst.ptr  # raises on a closed tensor before anything is queued
+    dst.ptr  # noqa: B018 - the property raises on a closed tensor before anything is queued
     capture.keep_tensors(dst)
     dst.device.kernels.fill(dst, byte, h)
 
@@ -264,7 +264,7 @@ def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: Strea
     if _overlap(x, out):
         raise ValueError("norm_squared: out may not overlap x")
     _kernel_memory(dev, (x, "x"), (out, "out"))
-    x.ptr  # raise on closed tensors before anything is queued
-    out.ptr
+    x.ptr  # noqa: B018 - the property raises on a closed tensor before anything is queued
+    out.ptr  # noqa: B018
     capture.keep_tensors(x, out)
     dev.kernels.norm_squared(x, out, check_accumulate(accumulate), h)

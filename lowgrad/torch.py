@@ -65,8 +65,8 @@ def find_blocks(model: torch.nn.Module, blocks: str | None = None) -> tuple[str,
             return path, obj
         if blocks is not None:
             raise ValueError(f"attach: {blocks!r} is not a non-empty nn.ModuleList of {type(model).__name__}")
-    raise ValueError(f"attach: no transformer blocks found in {type(model).__name__} (tried {', '.join(_BLOCK_PATHS)}); "
-                     "pass blocks='dotted.path.to.the.ModuleList'")
+    raise ValueError(f"attach: no transformer blocks found in {type(model).__name__} "
+                     f"(tried {', '.join(_BLOCK_PATHS)}); pass blocks='dotted.path.to.the.ModuleList'")
 
 
 def module_layout(model: torch.nn.Module, blocks: str | None = None
@@ -141,11 +141,12 @@ class Attached:
             raise ValueError(f"attach: {type(model).__name__} is already attached to a gradient manager (parameters "
                              f"{taken[:3]}): close() that Attached first, or keep using it")
         self.gm = create_gradient_manager(layout, comm, **manager_args)  # checks every manager argument
-        wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype != _torch_dtype(self.gm)]
+        wrong = [(n, p.dtype) for n, p in model.named_parameters()
+                 if p.requires_grad and p.dtype != _torch_dtype(self.gm)]
         if wrong:
             self.gm.close()
-            raise TypeError(f"attach: parameters {wrong[:3]} are not {self.gm.dtype.name}, the manager's gradient dtype "
-                            f"(convert the model with .to({_torch_dtype(self.gm)}), or pass dtype= to attach)")
+            raise TypeError(f"attach: parameters {wrong[:3]} are not {self.gm.dtype.name}, the manager's gradient "
+                            f"dtype (convert the model with .to({_torch_dtype(self.gm)}), or pass dtype= to attach)")
         self.model, self.overlap, self.layout = model, overlap, layout
         self.block_params, self.non_block_params = block_params, non_block_params
         self.device = comm.device
@@ -168,7 +169,8 @@ class Attached:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self._hook(n, partial(self._block_arrived, layer, n))))
         for n, p in non_block_params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._hook(n, partial(self._non_block_arrived, n))))
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                self._hook(n, partial(self._non_block_arrived, n))))
         for p in params:
             p._lowgrad_attached = weakref.ref(self)  # type: ignore[attr-defined]
 
@@ -193,9 +195,9 @@ class Attached:
                              "replaced, reshaped or retyped): attach again")
         stale = [n for n, p in self._named() if p.grad is not None]
         if stale:
-            raise ProtocolError(f"attached.micro_step: parameters {stale[:3]} already hold a gradient in p.grad (from a "
-                                "backward outside a micro-step, or from before attach): it would be folded into this "
-                                "step; clear it with model.zero_grad(set_to_none=True)")
+            raise ProtocolError(f"attached.micro_step: parameters {stale[:3]} already hold a gradient in p.grad "
+                                "(from a backward outside a micro-step, or from before attach): it would be folded "
+                                "into this step; clear it with model.zero_grad(set_to_none=True)")
         stream = self.current_stream()
         self.gm.start_micro_step(stream, micro_step, total_micro_steps)
         self._stream, self._thread, self._defer = stream, threading.get_ident(), None
@@ -274,8 +276,9 @@ class Attached:
             t0 = perf_counter_ns()
             try:
                 if not self.gm.in_micro_step:
-                    raise ProtocolError(f"lowgrad.torch: a gradient of {name} outside `with attached.micro_step(m, M)`: "
-                                        "the attached model's backward runs inside a micro-step")
+                    raise ProtocolError(f"lowgrad.torch: a gradient of {name} outside "
+                                        "`with attached.micro_step(m, M)`: the attached model's backward runs "
+                                        "inside a micro-step")
                 if self.overlap:
                     if id(p) in self._seen:
                         raise ProtocolError(f"lowgrad.torch: {name}: {_SECOND_BACKWARD}")
@@ -321,11 +324,12 @@ class Attached:
         g = p.grad
         p.grad = None
         if g is None or g.layout != torch.strided:
-            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: expected a dense gradient, got {g if g is None else g.layout}")
+            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: expected a dense gradient, "
+                            f"got {g if g is None else g.layout}")
         if g.dtype != buf.dtype or g.shape != buf.shape:
-            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: gradient {g.dtype} {tuple(g.shape)}, the manager's buffer is "
-                            f"{buf.dtype} {tuple(buf.shape)} (make the model's parameters {buf.dtype}, or create "
-                            "the manager with their dtype)")
+            raise TypeError(f"lowgrad.torch: {_whose(layer, name)}: gradient {g.dtype} {tuple(g.shape)}, the "
+                            f"manager's buffer is {buf.dtype} {tuple(buf.shape)} (make the model's parameters "
+                            f"{buf.dtype}, or create the manager with their dtype)")
         if accumulate:
             buf.add_(g)
         else:
@@ -445,7 +449,8 @@ class ShardOptimizer:
         comm = attached.gm.comm
         self.rank, self.world = comm.rank, comm.world
         # the module's parameters in the order of the shards step() reads: blocks, then non-block
-        self._module_params = [p for ps in attached.block_params for _, p in ps] + [p for _, p in attached.non_block_params]
+        self._module_params = ([p for ps in attached.block_params for _, p in ps]
+                               + [p for _, p in attached.non_block_params])
         self._module_rows = [self._rows(p) for p in self._module_params]
         self.master_weights = master_weights
         self.params: list[torch.Tensor] = [

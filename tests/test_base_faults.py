@@ -1,11 +1,13 @@
 """Faults in the engine on the host backend: ``discard_step`` from every point of a step, on every
 strategy, at world 1 and 2 (one rank faults, its peer runs the step normally), leaves every shard
-of the faulting rank NaN and the norm NaN on every rank, keeps the ranks' collectives matched, and the next step's shards equal those of
-a run that never faulted, bit for bit. And every manager call checks its arguments before it
-changes anything: after each bad call the state is as before and the corrected call succeeds."""
+of the faulting rank NaN and the norm NaN on every rank, keeps the ranks' collectives matched, and
+the next step's shards equal those of a run that never faulted, bit for bit. And every manager
+call checks its arguments before it changes anything: after each bad call the state is as before
+and the corrected call succeeds."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,7 +55,8 @@ def run_step(gm: Any, comm: Any, stream: Any, step: int, M: int, fault_at: tuple
             dw, acc = gm.block_full(layer, stream)
             at("fetched", layer)
             for i, s in enumerate(layout.block):
-                write(comm.device, stream, dw[s.name], acc or s.zero_init, bf16_grad(comm.rank, m, layer, i, s.shape, step))
+                write(comm.device, stream, dw[s.name], acc or s.zero_init,
+                      bf16_grad(comm.rank, m, layer, i, s.shape, step))
             gm.notify_block(layer, stream)
             at("notified", layer)
         at("end")
@@ -280,7 +283,8 @@ def test_every_bad_call_leaves_the_state_unchanged(strategy: str, offload: bool)
                     dw, acc = gm.block_full(layer, s)
                     probe()
                     for i, sp in enumerate(layout.block):
-                        write(comm.device, s, dw[sp.name], acc or sp.zero_init, bf16_grad(comm.rank, m, layer, i, sp.shape, step))
+                        write(comm.device, s, dw[sp.name], acc or sp.zero_init,
+                              bf16_grad(comm.rank, m, layer, i, sp.shape, step))
                     gm.notify_block(layer, s)
                 probe()
                 gm.end_micro_step(s)

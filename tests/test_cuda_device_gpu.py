@@ -293,7 +293,7 @@ def test_absurd_allocation_is_value_error_before_the_driver(gpu: lg.Device,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
-    def boom(kind: str, nbytes: int):  # noqa: ANN202
+    def boom(kind: str, nbytes: int):
         calls.append(kind)
         raise AssertionError("the driver was called")
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ def parse_blocks(path: Path) -> list[Block]:
     tildes; the closing fence has the same character and at least the same length)."""
     lines = path.read_text().splitlines(keepends=True)
     out: list[Block] = []
-    offset, i = 0, 0
+    i = 0
     offsets = [0]
     for ln in lines:
         offsets.append(offsets[-1] + len(ln))
@@ -222,17 +221,21 @@ PENDING = {
     ("README.md", "for m in range(M):                              # step 0 eagerly: compiles, warms lazy buffers"):
         "python fragment (micro_step, gm, s, steps come from the example above)",
     ("docs/cli.md", 'lowgrad --version          # "lowgrad 0.1.0"'): "text (a synopsis)",
-    ("docs/cli.md", '{"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from /.../libnvrtc.so.12; kernel sources /.../kernels"}'):
+    ("docs/cli.md", '{"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from /.../libnvrtc.so.12; '
+                    'kernel sources /.../kernels"}'):
         "text (sample output)",
-    ("docs/cli.md", "lowgrad-trace 10664.2063 lowgrad-rank0 collective all_reduce rank=0 tensor=g count=8 dtype=fp32 stream=0x0 op=sum"):
+    ("docs/cli.md", "lowgrad-trace 10664.2063 lowgrad-rank0 collective all_reduce rank=0 tensor=g count=8 "
+                    "dtype=fp32 stream=0x0 op=sum"):
         "text (sample output)",
-    ("docs/protocol.md", "gm = lowgrad.create_gradient_manager(layout, comm, strategy=\"scatter_reduce\", offload=False,"):
+    ("docs/protocol.md",
+     "gm = lowgrad.create_gradient_manager(layout, comm, strategy=\"scatter_reduce\", offload=False,"):
         "python fragment (layout, comm)",
     ("docs/protocol.md", "gm.start_micro_step(s, m, M)"): "python fragment (placeholders in <...>)",
     ("docs/protocol.md", "shards = gm.block_shard(layer, s)        # Container of this rank's shards of one layer"):
         "python fragment (gm, layer, name, s)",
     ("docs/protocol.md", "engine stream s                               communication stream"): "text (a diagram)",
-    ("docs/protocol.md", "for m in range(M):                       # one eager step first: compiles kernels, allocates scratch"):
+    ("docs/protocol.md",
+     "for m in range(M):                       # one eager step first: compiles kernels, allocates scratch"):
         "python fragment (micro_step, gm, s, M)",
     ("docs/torch.md", "import lowgrad, lowgrad.torch"): "python fragment (model, comm, loss_fn, batch, M)",
     ("docs/torch.md", "opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, lr=3e-4)"):

@@ -123,7 +123,8 @@ def test_cuda_reads_need_a_completed_step_and_the_last_step_is_refused() -> None
         with pytest.raises(OverflowError):
             gm.start_micro_step(s, 0, 1)
         s.synchronize()
-        counter = tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist()[:3])  # base, step, micro
+        # base, step, micro
+        counter = tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist()[:3])
         gm.close()
         with pytest.raises(lg.ClosedError):
             gm.block_shard(0, s)

@@ -55,7 +55,8 @@ def test_bad_library_path_gives_clear_error(tmp_path):
     bogus = tmp_path / "libnccl.so.2"
     bogus.write_bytes(b"not a shared object")
     for path in (str(tmp_path / "missing.so"), str(bogus)):
-        code = "import lowgrad.cuda.nccl as n\ntry:\n    n.version()\nexcept n.NcclLibraryError as e:\n    print('ERR', e)\n"
+        code = ("import lowgrad.cuda.nccl as n\ntry:\n    n.version()\n"
+                "except n.NcclLibraryError as e:\n    print('ERR', e)\n")
         env = dict(os.environ, LOWGRAD_NCCL_LIBRARY=path)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -63,7 +64,8 @@ def test_bad_library_path_gives_clear_error(tmp_path):
 
 
 def test_import_does_not_load_the_library():
-    code = "import lowgrad, lowgrad.cuda.nccl as n, lowgrad.cuda.communicator, lowgrad.bootstrap\nprint(n._lib is None)\n"
+    code = ("import lowgrad, lowgrad.cuda.nccl as n, lowgrad.cuda.communicator, lowgrad.bootstrap\n"
+            "print(n._lib is None)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_replay import FakeGraph
 from test_managers import STRATS, small_layout
+from test_replay import FakeGraph
 
 import lowgrad as lg
 from lowgrad.managers import ProtocolError
@@ -207,7 +207,8 @@ def test_step_counter_never_wraps() -> None:
     state = gm.state_dict()
     with pytest.raises(OverflowError, match="past the 32-bit step counter"):
         gm.start_micro_step(None, 0, 2)
-    assert (gm._protocol.in_micro, gm._protocol.micro, gm.step, counter(gm)) == (False, -1, LAST_STEP, (3, LAST_STEP, 0))
+    assert ((gm._protocol.in_micro, gm._protocol.micro, gm.step, counter(gm))
+            == (False, -1, LAST_STEP, (3, LAST_STEP, 0)))
     gm.block_shard(0, None)  # the completed step is still readable
     fresh = lg.create_gradient_manager(layout, host_comm(), strategy="all_to_all")
     fresh.load_state_dict(state)

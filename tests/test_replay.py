@@ -157,7 +157,10 @@ def test_seed_counter_tracks_the_protocol_on_the_host() -> None:
     def job(comm: Any) -> list[tuple[int, int, int]]:
         gm = lg.create_gradient_manager(layout, comm, strategy="all_to_all", seed=9, step=4)
         seen = []
-        read = lambda: tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist()[:3])
+
+        def read() -> tuple[int, ...]:
+            return tuple(int(x) for x in gm._counter.tensor.numpy().view(COUNTER_DTYPE)[0].tolist()[:3])
+
         for m in range(3):
             gm.start_micro_step(None, m, 3)
             seen.append(read())

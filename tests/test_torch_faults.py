@@ -60,8 +60,9 @@ def on_device(c: Any) -> Any:
     return "cuda"
 
 
-def run(world: int, fault: str | None, fault_rank: int = 0, steps: int = 3, M: int = 3, strategy: str = "scatter_reduce",
-        overlap: bool = True, **threads: Any) -> list[tuple[dict[str, Any], list[bool], int]]:
+def run(world: int, fault: str | None, fault_rank: int = 0, steps: int = 3, M: int = 3,
+        strategy: str = "scatter_reduce", overlap: bool = True,
+        **threads: Any) -> list[tuple[dict[str, Any], list[bool], int]]:
     """``steps`` optimizer steps; in step 1, micro-step 1, rank ``fault_rank`` meets ``fault``;
     ``fault="skip"``: the clean run, which skips step 1 without running it. ``threads``: for
     :func:`lowgrad.run_threads` (the host backend by default)."""

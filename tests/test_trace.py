@@ -124,7 +124,8 @@ def test_enable_writes_host_kernels_and_collectives_to_a_file(tmp_path: Path) ->
     assert logging.getLogger("lowgrad").propagate and not trace.ENABLED
     text = out.read_text()
     for what in ("kernel add_sr dst=tr_a numel=8 dtype=fp32", "kernel fill dst=tr_b",
-                 "collective all_reduce rank=1", "collective reduce_scatter rank=0", "collective all_gather", "collective all_to_all",
+                 "collective all_reduce rank=1", "collective reduce_scatter rank=0", "collective all_gather",
+                 "collective all_to_all",
                  "collective send rank=0 tensor=tr_a count=8 dtype=fp32 stream=0x0 peer=1", "collective recv rank=1"):
         assert what in text, what
 

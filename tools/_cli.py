@@ -36,7 +36,7 @@ CANNOT_RUN = 2  # the exit status of "cannot run here": the same as argparse's f
 INSTALL = 'pip install ".[cu12]" from the repository, or run the tool with the Python lowgrad is installed in'
 
 try:  # every tool needs lowgrad: without it (or its dependencies) in this Python, one line
-    import lowgrad  # noqa: F401
+    import lowgrad
 except ImportError as _exc:
     _name = sys.argv[2] if sys.argv[1:2] == ["needs-gpu"] and len(sys.argv) > 2 else \
         os.path.splitext(os.path.basename(sys.argv[0]))[0]
@@ -147,7 +147,7 @@ def output_help(name: str) -> str:
             f"repository's root, {os.path.join(tempfile.gettempdir(), 'lowgrad-tools', name)})")
 
 
-def load_layout(config: str, option: str = "--config"):  # noqa: ANN201 - a lowgrad.Layout
+def load_layout(config: str, option: str = "--config") -> lowgrad.Layout:
     """``lowgrad.llama_layout(config)``, a bad name or file being :class:`CannotRun` that names
     ``option``."""
     import lowgrad as lg
@@ -185,7 +185,12 @@ def _main(argv: list[str]) -> int:
     if len(argv) not in (2, 3) or argv[0] != "needs-gpu":
         print("usage: python3 tools/_cli.py needs-gpu NAME [HINT]", file=sys.stderr)
         return CANNOT_RUN
-    return run(argv[1], lambda: require_cuda(host_hint=argv[2] if len(argv) == 3 else None) or 0)
+
+    def check() -> int:
+        require_cuda(host_hint=argv[2] if len(argv) == 3 else None)
+        return 0
+
+    return run(argv[1], check)
 
 
 if __name__ == "__main__":

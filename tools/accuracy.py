@@ -34,13 +34,14 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import CannotRun, Parser, float_list, int_list, output_help, output_path, run  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import CannotRun, Parser, float_list, int_list, output_help, output_path, run
 
-from lowgrad.core.dtypes import bf16  # noqa: E402
-from lowgrad.sr.reference import add_sr  # noqa: E402
-from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings  # noqa: E402
+import ml_dtypes
+import numpy as np
+
+from lowgrad.core.dtypes import bf16
+from lowgrad.sr.reference import add_sr
+from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings
 
 MODES = ("fp32", "rn", "sr", "ldsr", "kahan")
 BYTES = {"fp32": 4, "rn": 2, "sr": 2, "ldsr": 2, "kahan": 4}

@@ -35,11 +35,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import CannotRun, Parser, check_world, int_list, output_help, output_path, run  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import CannotRun, Parser, check_world, int_list, output_help, output_path, run
 
-import lowgrad as lg  # noqa: E402
-from lowgrad.host.collective import host_reduce  # noqa: E402
+import numpy as np
+
+import lowgrad as lg
+from lowgrad.host.collective import host_reduce
 
 BF16 = lg.bf16.np
 Reduce = Callable[[np.ndarray], np.ndarray]  # (world, n) bf16 inputs -> (n,) bf16 average
@@ -112,7 +113,11 @@ def run_manager(layout: lg.Layout, strategy: str, grads: np.ndarray, seed: int =
                     delay(comm.rank, m, layer)
                 gm.notify_block(layer, s)
             gm.end_micro_step(s)
-        shards = [gm.block_shard(layer, s)[i].numpy().reshape(-1).copy() for layer, i, _ in slices]
+        shards = []
+        for layer, i, _ in slices:
+            shard = gm.block_shard(layer, s)[i]
+            assert shard is not None  # a manager fills every slot (a Container may have empty ones)
+            shards.append(shard.numpy().reshape(-1).copy())
         gm.close()
         return shards
 
@@ -188,7 +193,8 @@ def differ(a: np.ndarray, b: np.ndarray) -> float:
 
 
 # ---- the measurement ----------------------------------------------------------------------------
-def measure_one(layout: lg.Layout, world: int, micro: int, seed: int, scale: float, noise: float) -> list[dict[str, Any]]:
+def measure_one(layout: lg.Layout, world: int, micro: int, seed: int, scale: float,
+                noise: float) -> list[dict[str, Any]]:
     """The three strategies at one (world, M), plus the check of the emulation against the manager."""
     grads = make_gradients(layout.num_layers * layout.block_numel, world, micro, seed, scale, noise)
     ref, peak = reference(grads)
@@ -209,7 +215,8 @@ def measure(layout: lg.Layout, worlds: Sequence[int], micro_steps: Sequence[int]
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table."""
-    lines = ["| strategy | world | M | rel L2 | max ulp | bias ulp | magnitude bias ulp | bits != host scatter_reduce |",
+    lines = ["| strategy | world | M | rel L2 | max ulp | bias ulp | magnitude bias ulp "
+             "| bits != host scatter_reduce |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['world']} | {r['micro_steps']} | {r['rel_l2']:.3e} | {r['max_ulp']:.2f} "

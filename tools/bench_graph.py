@@ -20,14 +20,15 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import Parser, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import Parser, load_layout, output_help, output_path, require_cuda, run
 
-import lowgrad as lg  # noqa: E402
-from lowgrad.core.tensor import Tensor, span  # noqa: E402
+import numpy as np
+
+import lowgrad as lg
+from lowgrad.core.tensor import Tensor, span
 
 
-def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, Tensor], stream: Any, m: int, M: int) -> None:
+def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, ...], stream: Any, m: int, M: int) -> None:
     gm.start_micro_step(stream, m, M)
     for s in layout.non_block:
         t, _ = gm.non_block_full(s.name, stream)

@@ -14,6 +14,7 @@ and a PyTorch peer where torch is installed. A failing case prints its error; th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +109,7 @@ class Bench:
             for _ in range(2):
                 self.lg.ops.copy(self._pad[1], self._pad[0], stream=stream)
 
-    def time_ms(self, fns: list[Callable[[], None]], reps: int | None = None, warmup: int = 3) -> float:
+    def time_ms(self, fns: Sequence[Callable[[], object]], reps: int | None = None, warmup: int = 3) -> float:
         """Median ms of one call, events recorded between back-to-back calls on ``self.s``."""
         reps = reps or self.repeats
         for i in range(warmup):
@@ -224,7 +225,7 @@ class Bench:
         lg = self.lg
         xs = [self.randomize(self.alloc(n, x_dtype)) for _ in range(self.n_sets(n * x_dtype.itemsize))]
         out = self.alloc(1, out_dtype)
-        ms = self.time_ms([lambda x=x: lg.ops.norm_squared(x, out, stream=self.s) for x in xs])
+        ms = self.time_ms([functools.partial(lg.ops.norm_squared, x, out, stream=self.s) for x in xs])
         self.record(f"norm_squared {x_dtype.name}->{out_dtype.name} 2^{n.bit_length() - 1}", n,
                     n * x_dtype.itemsize, ms, extra={"sets": len(xs)})
 
@@ -427,13 +428,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     b = Bench(lg, args.device, args.repeats)
-    print(f"{b.dev.name} ({b.dev.arch}, {b.dev.sm_count} SMs, L2 {b.l2 / MiB:.0f} MiB); repeats {b.repeats}", flush=True)
+    print(f"{b.dev.name} ({b.dev.arch}, {b.dev.sm_count} SMs, L2 {b.l2 / MiB:.0f} MiB); repeats {b.repeats}",
+          flush=True)
     b.case("kernels", lambda: b.dev.kernels)  # compile or load before anything is timed
     b.case("copy bandwidth", b.copy_bandwidths)
     print(f"\n{'case':<34} {'elements':>12} {'MiB moved':>10} {'median ms':>10} {'GB/s':>9} {'ratio':>7}")
     bf16, fp32 = lg.bf16, lg.fp32
     for e in (24, 26, 28):
-        b.case(f"add_sr bf16 2^{e}", lambda e=e: b.add_sr(f"add_sr bf16 2^{e}", 1 << e, bf16))
+        b.case(f"add_sr bf16 2^{e}", functools.partial(b.add_sr, f"add_sr bf16 2^{e}", 1 << e, bf16))
     b.case("add_sr fp32 b 2^28", lambda: b.add_sr("add_sr bf16+fp32 b 2^28", 1 << 28, fp32))
     b.case("reduce_sr bf16 8 shards", lambda: b.reduce_sr("reduce_sr bf16 8 shards", 1 << 25, 8))
     b.case("reduce_sr bf16 4 shards", lambda: b.reduce_sr("reduce_sr bf16 4 shards", 1 << 25, 4))

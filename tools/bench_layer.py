@@ -18,17 +18,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import Parser, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import Parser, load_layout, output_help, output_path, require_cuda, run
 
-import lowgrad as lg  # noqa: E402
-from lowgrad.cli.bandwidth import copy_bandwidths  # noqa: E402
-from lowgrad.core.dtypes import byte  # noqa: E402
-from lowgrad.core.tensor import span  # noqa: E402
-from lowgrad.cuda.compiler import add_sr_multi_spec  # noqa: E402
-from lowgrad.sr.seeds import use_seed  # noqa: E402
+import numpy as np
+
+import lowgrad as lg
+from lowgrad.cli.bandwidth import copy_bandwidths
+from lowgrad.core.dtypes import byte
+from lowgrad.core.tensor import span
+from lowgrad.cuda.compiler import add_sr_multi_spec
+from lowgrad.sr.seeds import use_seed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(ms) * 1e3 / L  # us per layer
 
     reference = None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, fn in variants.items():
         reset()
         fn(0, s.handle)
@@ -135,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'flat add_sr (one tensor)':<42}{us:>9.1f} us/layer  ratio {rows[-1]['ratio']:.3f}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; layer moves {layer_bytes / 1e6:.0f} MB "
           f"({layer_bytes / bw * 1e6:.1f} us at copy bandwidth)")
-    with open(args.json, "w") as f:
+    with open(args.json, "w") as out:
         json.dump({"config": args.config, "copy_bw": bw, "layer_bytes": layer_bytes, "rows": rows,
-                   "date": time.strftime("%Y-%m-%d"), "device": dev.name}, f, indent=1)
+                   "date": time.strftime("%Y-%m-%d"), "device": dev.name}, out, indent=1)
     print(f"wrote {args.json}")
     return 0
 

@@ -29,14 +29,15 @@ from typing import Any
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda, run  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda, run
 
-import lowgrad as lg  # noqa: E402
-from lowgrad.cli.bandwidth import copy_bandwidths  # noqa: E402
-from lowgrad.core.dtypes import byte  # noqa: E402
-from lowgrad.core.memory import align_up  # noqa: E402
-from lowgrad.core.tensor import span  # noqa: E402
+import numpy as np
+
+import lowgrad as lg
+from lowgrad.cli.bandwidth import copy_bandwidths
+from lowgrad.core.dtypes import byte
+from lowgrad.core.memory import align_up
+from lowgrad.core.tensor import span
 
 # the layout by backend: a 1.5B model loads an H200; on the CPU a tiny one finishes in seconds
 DEFAULT_CONFIG = {"cuda": "Qwen2.5-1.5B", "host": "tiny"}
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
     bw = copy_bandwidths(dev, 1 << 31 if args.backend == "cuda" else 1 << 26)
     print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
-          f"world {args.world}{' on one GPU (loopback)' if args.share_gpu else ''}, {args.backend}; copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
+          f"world {args.world}{' on one GPU (loopback)' if args.share_gpu else ''}, {args.backend}; "
+          f"copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")
     wanted = None if args.strategies == "all" else set(args.strategies.split(","))
     results = []
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               inline),
                                  backend=args.backend, share_gpu=args.share_gpu, timeout=args.timeout)
             results.append(out[0])
-        except Exception as exc:  # report and continue with the next strategy
+        except Exception as exc:  # noqa: BLE001 - report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")
     print(f"{'strategy':<28}{'ms/micro':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'GB/micro':>10}"
           f"{'device MiB':>12}{'pinned MiB':>12}")
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     print("target: scatter_reduce at world 1 >= 0.90 of the floor; +comm_stream: inline=False (the accumulation "
           "beside the engine's copies instead of after them)")
     with open(args.json, "w") as f:
-        json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw, "results": results,
+        json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw,
+                   "results": results,
                    "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)
     print(f"wrote {args.json}")
     return 0

@@ -28,6 +28,7 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,13 +48,14 @@ except ImportError as _exc:
     sys.exit(2)
 
 import lowgrad as lg  # noqa: E402
-import lowgrad.torch  # noqa: E402,F401
+import lowgrad.torch  # noqa: E402
 
 KINDS = ("nonfinite", "forward", "backward", "data", "badarg")
 SKIPPING = KINDS[:4]  # a step with such a fault is skipped on every rank
-BAD_CALLS = {"micro_step('m', M)": lambda m, M: (str(m), M), "micro_step(float m, M)": lambda m, M: (float(m), M),
-             "micro_step(m, float M)": lambda m, M: (m, float(M)), "micro_step(m + 1, M)": lambda m, M: (m + 1, M),
-             "micro_step(m, 0)": lambda m, M: (m, 0)}
+BAD_CALLS: dict[str, Callable[[int, int], tuple[Any, Any]]] = {
+    "micro_step('m', M)": lambda m, M: (str(m), M), "micro_step(float m, M)": lambda m, M: (float(m), M),
+    "micro_step(m, float M)": lambda m, M: (m, float(M)), "micro_step(m + 1, M)": lambda m, M: (m + 1, M),
+    "micro_step(m, 0)": lambda m, M: (m, 0)}
 BAD_NORMS = {"max_norm=-1": -1.0, "max_norm=0": 0.0, "max_norm=nan": math.nan, "max_norm=inf": math.inf,
              "max_norm='1'": "1"}
 _TEXT = (REPO / "examples" / "tiny_text.txt").read_bytes()
@@ -79,8 +81,9 @@ def schedule(a: argparse.Namespace, world: int) -> dict[int, Fault]:
         if rng.random() >= a.fault_rate:
             continue
         kind = rng.choice(KINDS)
-        variant = {"nonfinite": lambda: rng.choice(("nan", "inf")),
-                   "badarg": lambda: rng.choice([*BAD_CALLS, *BAD_NORMS])}.get(kind, lambda: "")()
+        pick: dict[str, Callable[[], str]] = {"nonfinite": lambda: rng.choice(("nan", "inf")),
+                                              "badarg": lambda: rng.choice([*BAD_CALLS, *BAD_NORMS])}
+        variant = pick.get(kind, lambda: "")()
         # backward: below the top block, so that at least one block has delivered when it raises
         layer = rng.randrange(a.layers - (kind == "backward")) if kind in ("forward", "backward") else -1
         out[step] = Fault(step, kind, rng.randrange(world), rng.randrange(a.micro_steps), layer, variant)
@@ -91,10 +94,10 @@ def build(a: argparse.Namespace) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     cfg = Qwen2Config(vocab_size=256, hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_attention_heads=4,
                       num_key_value_heads=2, num_hidden_layers=a.layers, max_position_embeddings=a.seq,
-                      tie_word_embeddings=True, attn_implementation="eager")  # type: ignore[call-arg]
+                      tie_word_embeddings=True, attn_implementation="eager")
     with torch.random.fork_rng(devices=[]):  # the caller's RNG is left alone
         torch.manual_seed(a.seed)
-        return Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
+        return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
 
 
 def batch(a: argparse.Namespace, rank: int, step: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,10 +23,11 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import Parser, output_help, output_path, require_cuda, run  # noqa: E402
+from _cli import Parser, output_help, output_path, require_cuda, run
 
 COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
 DTYPES = ("bf16", "fp32")
@@ -70,7 +71,7 @@ def lowgrad_rank(comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         for op in cfg["ops"]:
             for nbytes in cfg["sizes"]:
                 t = buf.view(0, point_elements(nbytes, dtype.itemsize, world))
-                call = {"reduce_scatter": lambda: comm.reduce_scatter(t, "avg", stream),
+                call: Callable[[], object] = {"reduce_scatter": lambda: comm.reduce_scatter(t, "avg", stream),
                         "all_gather": lambda: comm.all_gather(t, stream=stream),
                         "all_reduce": lambda: comm.all_reduce(t, "sum", stream),
                         "all_to_all": lambda: comm.all_to_all(t, stream)}[op]
@@ -117,10 +118,11 @@ def torch_rank(rank: int, cfg: dict[str, Any], init_file: str, queue: Any) -> No
                     n = point_elements(nbytes, itemsize, world)
                     x, y = a[:n], b[:n]
                     avg = dist.ReduceOp.AVG
-                    call = {"reduce_scatter": lambda: dist.reduce_scatter_tensor(y[:n // world], x, op=avg),
-                            "all_gather": lambda: dist.all_gather_into_tensor(y, x[:n // world]),
-                            "all_reduce": lambda: dist.all_reduce(x),
-                            "all_to_all": lambda: dist.all_to_all_single(y, x)}[op]
+                    call: Callable[[], object] = {
+                        "reduce_scatter": lambda: dist.reduce_scatter_tensor(y[:n // world], x, op=avg),
+                        "all_gather": lambda: dist.all_gather_into_tensor(y, x[:n // world]),
+                        "all_reduce": lambda: dist.all_reduce(x),
+                        "all_to_all": lambda: dist.all_to_all_single(y, x)}[op]
                     for _ in range(cfg["warmup"]):
                         call()
                     torch.cuda.synchronize()
@@ -137,7 +139,7 @@ def torch_rank(rank: int, cfg: dict[str, Any], init_file: str, queue: Any) -> No
         dist.destroy_process_group()
         if rank == 0:
             queue.put(("ok", rows))
-    except BaseException as exc:  # reported to the parent, which prints it
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which prints it
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
 
 
@@ -153,7 +155,7 @@ def run_torch(cfg: dict[str, Any]) -> list[dict[str, Any]] | str:
             p.start()
         try:
             status, payload = queue.get(timeout=cfg["timeout"] * 4)
-        except Exception:
+        except Exception:  # noqa: BLE001 - queue.Empty after the timeout, or nothing readable: no result
             status, payload = "error", "torch peer timed out"
         for p in procs:
             p.join(30)

@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import CannotRun, Parser, check_world, int_list, load_layout, output_help, output_path
 from _cli import run as run_tool
+
 from bench_manager import RUNS as BENCH_RUNS
 
 import lowgrad as lg

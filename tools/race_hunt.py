@@ -26,12 +26,13 @@ from typing import Any
 # before any CUDA context: a hardware queue per rank's loopback stream (docs/loopback.md)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda  # noqa: E402
-from _cli import run as run_tool  # noqa: E402
-import numpy as np  # noqa: E402
+from _cli import Parser, check_world, load_layout, output_help, output_path, require_cuda
+from _cli import run as run_tool
 
-import lowgrad as lg  # noqa: E402
-from lowgrad.cuda.loopback import spin  # noqa: E402
+import numpy as np
+
+import lowgrad as lg
+from lowgrad.cuda.loopback import spin
 
 STRATS = (("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
           ("all_to_all", True))
@@ -41,7 +42,7 @@ Pause = Callable[[str], None]
 def engine_inputs(dev: Any, layout: lg.Layout, rank: int) -> dict[Any, lg.Tensor]:
     """This rank's fixed fp32 input per gradient tensor (the engine's 'activations')."""
     rng = np.random.default_rng([11, rank])
-    specs = {("nb", s.name): s for s in layout.non_block}
+    specs: dict[tuple[int | str, str], lg.ParamSpec] = {("nb", s.name): s for s in layout.non_block}
     specs.update({(layer, s.name): s for layer in range(layout.num_layers) for s in layout.block})
     return {k: lg.from_numpy((rng.standard_normal(s.shape) * 0.1).astype(np.float32), dev, name="engine_in")
             for k, s in specs.items()}
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     require_cuda()
     os.environ["LOWGRAD_LOOPBACK_JITTER_US"] = str(args.jitter_us)  # read when each group is created
     t0 = time.monotonic()
-    records = hunt(args.world, args.seconds, args.micro_steps, args.steps, args.spin_us, args.sleep_us, layout, args.timeout)
+    records = hunt(args.world, args.seconds, args.micro_steps, args.steps, args.spin_us, args.sleep_us, layout,
+                   args.timeout)
     print(f"race_hunt: world {args.world}, {args.config} ({layout.total_numel} params), {args.micro_steps} micro-steps "
           f"x {args.steps} steps per run, spin <= {args.spin_us} us, sleep <= {args.sleep_us} us, jitter <= "
           f"{args.jitter_us} us")

@@ -86,7 +86,7 @@ class _Doctor:
                 return False
         except CudaUnavailableError as exc:
             self.line("absent", name, str(exc))
-        except Exception as exc:  # the doctor reports every failure and carries on
+        except Exception as exc:  # noqa: BLE001 - the doctor reports every failure and carries on
             self.line("FAILED", name, f"{type(exc).__name__}: {exc}")
         else:
             self.line("ok", name, detail)

@@ -1,1 +1,3 @@
-"""The bottom layer, backend-neutral: errors, dtypes, integer limits, memory and tensors, DLPack, the stream-argument rule, capture guards, deferred release, the backend and kernel-table contracts, the collective base and the rendezvous. Imports nothing else of lowgrad."""
+"""The bottom layer, backend-neutral: errors, dtypes, integer limits, memory and tensors, DLPack,
+the stream-argument rule, capture guards, deferred release, the backend and kernel-table contracts,
+the collective base and the rendezvous. Imports nothing else of lowgrad."""

@@ -235,6 +235,7 @@ def check_copy(device: DeviceBase, dst: Tensor, src: Tensor) -> None:
         if t.device is not device:
             raise ValueError(f"copy {what} {t.name!r} lives on {t.device!r}, not {device!r}")
     if dst.dtype is not src.dtype:
-        raise TypeError(f"copy dtype mismatch: dst {dst.name!r} is {dst.dtype.name}, src {src.name!r} is {src.dtype.name}")
+        raise TypeError(f"copy dtype mismatch: dst {dst.name!r} is {dst.dtype.name}, "
+                        f"src {src.name!r} is {src.dtype.name}")
     if dst.numel != src.numel:
         raise ValueError(f"copy size mismatch: dst {dst.name!r} {dst.shape} vs src {src.name!r} {src.shape}")

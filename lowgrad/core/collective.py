@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 from numbers import Real
 from typing import Any
 
@@ -82,7 +82,7 @@ def check_same(call: str, a: Tensor, b: Tensor) -> None:
         raise TypeError(f"{call}: dtype mismatch: {a.name!r} is {a.dtype.name}, {b.name!r} is {b.dtype.name}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def all_to_all_schedule(rank: int, world: int) -> tuple[tuple[int, int, int, int], ...]:
     """The destructive all-to-all as ``world - 1`` sequential steps of one send and one recv:
     ``(send_peer, send_slot, recv_peer, recv_slot)`` for d = 1 .. world-1.
@@ -169,7 +169,7 @@ class CommBase(ABC):
         self._group_depth = 1
         self._group = g
 
-    def _check_memory(self, call: str, t: Tensor) -> None:
+    def _check_memory(self, call: str, t: Tensor) -> None:  # noqa: B027 - a hook whose default accepts all
         """Backend hook: reject memory kinds the backend cannot communicate."""
 
     # ---- argument prologues (shared; return what the backend call needs) ---------------

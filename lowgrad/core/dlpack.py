@@ -65,13 +65,13 @@ _unconsumed: dict[int, tuple[Any, bytes]] = {}  # export -> (capsule, its name) 
 _numbers = itertools.count(1)
 
 
-@_Deleter
+@_Deleter  # type: ignore[untyped-decorator]  # a ctypes C callback: typeshed calls it with (*Any) -> Any
 def _delete_legacy(addr: int) -> None:
     """The consumer's release (any thread, maybe inside the GC): one atomic dict pop, no lock."""
     _exports.pop(_DLManagedTensor.from_address(addr).manager_ctx, None)
 
 
-@_Deleter
+@_Deleter  # type: ignore[untyped-decorator]  # as above
 def _delete_versioned(addr: int) -> None:
     """As :func:`_delete_legacy`, for the versioned struct."""
     _exports.pop(_DLManagedTensorVersioned.from_address(addr).manager_ctx, None)

@@ -37,7 +37,7 @@ class Finalizer(weakref.ref):  # type: ignore[type-arg]
 
     __slots__ = ("_fn", "_args")
     __hash__ = object.__hash__  # identity: the referent may be gone
-    __eq__ = object.__eq__  # type: ignore[assignment]
+    __eq__ = object.__eq__
 
     def __new__(cls, obj: Any, fn: Callable[..., Any], *args: Any) -> Finalizer:
         return super().__new__(cls, obj, _collected)
@@ -47,7 +47,7 @@ class Finalizer(weakref.ref):  # type: ignore[type-arg]
         self._fn, self._args = fn, args
         _live[self] = None
 
-    def __call__(self) -> None:  # type: ignore[override]
+    def __call__(self) -> None:
         """Run the release now (normal code only); idempotent."""
         if _live.pop(self, False) is None:
             self._run()
@@ -89,7 +89,7 @@ def drain() -> None:
             return
         try:
             f._run()
-        except Exception as exc:  # a failed free must not fail the unrelated call that drains
+        except Exception as exc:  # noqa: BLE001 - a failed free must not fail the unrelated call that drains
             warnings.warn(f"lowgrad: a deferred release failed: {exc!r}", RuntimeWarning, stacklevel=2)
 
 

@@ -62,7 +62,7 @@ def unique_id_from_env(make_id: Callable[[], bytes], timeout: float | None = Non
         return make_id()
     mpi = _mpi_world(rank, world) if launcher == "openmpi" else None
     if mpi is not None:
-        return mpi.bcast(make_id() if rank == 0 else None, root=0)  # type: ignore[no-any-return]
+        return mpi.bcast(make_id() if rank == 0 else None, root=0)
     addr, port = _master_endpoint(env)
     key = token_key("LOWGRAD_RENDEZVOUS_TOKEN", token)
     bind = env.get("LOWGRAD_RENDEZVOUS_BIND") or None

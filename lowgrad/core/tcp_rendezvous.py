@@ -347,7 +347,7 @@ def _fetch_id(rank: int, world: int, addr: str, port: int, key: bytes, deadline:
             if not hmac.compare_digest(mac, _server_mac(key, cnonce, snonce, rank, world, uid)):
                 raise PermissionError(f"rendezvous: the server at {addr}:{port} did not prove it holds "
                                       "LOWGRAD_RENDEZVOUS_TOKEN (tokens differ, or it is not this job's rank 0)")
-            return uid  # type: ignore[no-any-return]
+            return uid
         kind, why = _REFUSALS.get(status, (ValueError, f"unknown status {status}"))
         raise kind(f"rendezvous: rank 0 at {addr}:{port} refused rank {rank} of world {world}: {why}")
 

@@ -228,7 +228,8 @@ def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
     if not t.shape:
         raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")
     if t.shape[0] % world:
-        raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible by world {world}")
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible "
+                         f"by world {world}")
     rows = t.shape[0] // world
     return t[rank * rows:(rank + 1) * rows]
 

@@ -60,7 +60,7 @@ class _Writer(logging.Handler):
         if self.out is not None:  # switched off while the record was on its way
             try:
                 self.out.write(record.getMessage() + "\n")
-            except Exception:  # a full disk or a closed stderr never breaks a launch
+            except Exception:  # noqa: BLE001 - a full disk or a closed stderr never breaks a launch
                 self.handleError(record)
 
     def retarget(self, out: TextIO | None) -> TextIO | None:
@@ -112,7 +112,7 @@ def enable(target: str | None) -> None:
         logger.addHandler(_writer)
     _refresh()
     if old not in (None, sys.stderr, new):
-        old.close()  # type: ignore[union-attr]  # no writer can hold it: they write under the lock
+        old.close()  # no writer can hold it: they write under the lock
 
 
 def log(kind: str, name: str, **fields: Any) -> None:

@@ -214,7 +214,7 @@ def _is_struct(decl: str, text: str) -> bool:
     return len(words) == 2 and words[0] not in SCALARS and bool(re.search(rf"\bstruct\s+{words[0]}\b", text))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def read_kernels(directory: Path, modules: Sequence[str]) -> tuple[dict[str, KernelSpec], dict[str, dict[str, int]]]:
     """Every kernel of ``modules`` by symbol, and each module's constants (cached per directory)."""
     specs: dict[str, KernelSpec] = {}

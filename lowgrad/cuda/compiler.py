@@ -33,7 +33,7 @@ _TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}  # dtype -> the suffix in 
 
 
 # ---- locations and the kernel table ----------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_dir() -> Path:
     """The kernel sources: ``lowgrad/kernels`` in an installed wheel, ``<repo>/kernels`` in a checkout
     (looked up once per process: every kernel lookup goes through here)."""
@@ -44,7 +44,7 @@ def kernel_dir() -> Path:
             return d
     raise FileNotFoundError(f"lowgrad kernel sources not found in {' or '.join(map(str, candidates))}")
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def modules() -> tuple[str, ...]:
     """The kernel modules: the stem of every ``.cu`` file in :func:`kernel_dir`, sorted."""
     return tuple(sorted(p.stem for p in kernel_dir().glob("*.cu")))
@@ -117,7 +117,7 @@ def _check(call: str, result: Any, log: str = "") -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvrtc_version() -> tuple[int, int]:
     """NVRTC's (major, minor); NvrtcError if the library cannot be loaded."""
     nvrtc = _nvrtc()
@@ -129,7 +129,7 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvrtc_identity() -> str:
     """What the cache key records of NVRTC, found without loading it (a warm start must not pay
     NVRTC's load): the NVRTC library of the wheel that cuda.bindings loads first (its path, size
@@ -142,11 +142,13 @@ def nvrtc_identity() -> str:
     except (ImportError, AttributeError):
         roots, major = [], ""
     for root in roots:
-        for lib in sorted(root.glob(f"*/lib/libnvrtc.so.{major}*")) + sorted(root.glob(f"*/*/lib/libnvrtc.so.{major}*")):
+        libs = sorted(root.glob(f"*/lib/libnvrtc.so.{major}*")) + sorted(root.glob(f"*/*/lib/libnvrtc.so.{major}*"))
+        for lib in libs:
             if "builtins" not in lib.name and ".alt." not in lib.name:
                 st = lib.resolve().stat()
                 return f"{lib.resolve()} {st.st_size} {st.st_mtime_ns}"
-    return "nvrtc %d.%d" % nvrtc_version()
+    major, minor = nvrtc_version()
+    return f"nvrtc {major}.{minor}"
 
 
 def options(arch: str) -> list[str]:

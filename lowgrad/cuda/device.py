@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import threading
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lowgrad.core import capture, release
 from lowgrad.core.backend import DeviceBase
 from lowgrad.core.integers import integer
-from lowgrad.core.kernels import Kernels
 from lowgrad.core.limits import HOST_ALLOC_LIMIT
 from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.stream import Event, Stream
+
+if TYPE_CHECKING:
+    from lowgrad.cuda.kernels import CudaKernels
 
 _CU_MEMHOSTALLOC_PORTABLE, _CU_MEMHOSTALLOC_DEVICEMAP, _CU_MEMHOSTALLOC_WRITECOMBINED = 1, 2, 4
 
@@ -61,7 +63,7 @@ class Device(DeviceBase):
         self.context_handle = int(self._ctx)
         self.activate()
         self.default_stream = Stream.wrap(self, 0)
-        self._kernels: Any = None
+        self._kernels: CudaKernels | None = None
 
     # ---- context -----------------------------------------------------------------------
     def activate(self) -> None:
@@ -148,7 +150,7 @@ class Device(DeviceBase):
         return Stream.wrap(self, handle)
 
     @property
-    def kernels(self) -> Kernels:
+    def kernels(self) -> CudaKernels:
         """This device's compiled kernels (compiled or loaded from the cache at first use)."""
         if self._kernels is None:
             capture.forbid("compiling and loading lowgrad's kernels (first kernel use on this device)")

@@ -155,13 +155,13 @@ class Graph:
             p.capture_closing(h)
         try:
             graph = _end_capture(drv, h, failed)
-        except Exception as exc:  # e.g. an invalidated capture: participants still restore
+        except Exception as exc:  # noqa: BLE001 - e.g. an invalidated capture: participants still restore
             error = exc
         templates = {}
         for p in self._participants:
             try:
                 templates[p] = p.capture_ended(self, failed or error is not None)
-            except Exception as exc:  # a participant's own error says more than the driver's
+            except Exception as exc:  # noqa: BLE001 - a participant's own error says more than the driver's
                 own = own or exc
         error = own or error
         if graph is not None and error is None:

@@ -44,8 +44,9 @@ Failures surface in bounded time: the threads' meeting and each device-side wait
 rank aborts (``abort()``, or ``run_threads`` after an exception in any rank: CommAbortedError
 naming the rank, and under ``run_threads`` the exception it raised) or left (``close()``:
 CommAbortedError naming it). A device-side failure is recorded in pinned memory, every later
-loopback kernel does nothing, and :meth:`LoopbackCommunicator.wait` raises it. Ranks that disagree on a collective (call, dtype, element count, op), or a send and its
-receive, all raise the same ValueError before anything is queued.
+loopback kernel does nothing, and :meth:`LoopbackCommunicator.wait` raises it. Ranks that
+disagree on a collective (call, dtype, element count, op), or a send and its receive, all raise
+the same ValueError before anything is queued.
 
 Debugging aid: ``LOWGRAD_LOOPBACK_JITTER_US=N`` delays each sync on the device by a random
 0..N µs (a random pause per rank and collective), to shake out missing dependencies.
@@ -105,10 +106,11 @@ class LoopbackGroup:
             raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
         queues = hardware_queues()
         if world > queues:
-            raise ValueError(f"loopback world {world} needs a hardware queue per rank; CUDA gives this process {queues} "
-                             "(CUDA_DEVICE_MAX_CONNECTIONS, default 8, at most 32): set CUDA_DEVICE_MAX_CONNECTIONS=32 "
-                             "before the process creates its CUDA context (run_threads(share_gpu=True) sets it when "
-                             "unset); more than 32 ranks cannot share one GPU")
+            raise ValueError(f"loopback world {world} needs a hardware queue per rank; CUDA gives this process "
+                             f"{queues} (CUDA_DEVICE_MAX_CONNECTIONS, default 8, at most 32): set "
+                             "CUDA_DEVICE_MAX_CONNECTIONS=32 before the process creates its CUDA context "
+                             "(run_threads(share_gpu=True) sets it when unset); more than 32 ranks cannot share one "
+                             "GPU")
         self.device, self.world, self.timeout = device, world, check_timeout(timeout)
         device.activate()
         # u64 words: meetings per pair of ranks, then the device copy of "failed" (kernels/loopback.cu)

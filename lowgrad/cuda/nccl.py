@@ -24,7 +24,8 @@ from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from importlib import metadata
 
 from lowgrad.core import trace
-from lowgrad.core.errors import NcclError, NcclLibraryError
+from lowgrad.core.errors import NcclError
+from lowgrad.core.errors import NcclLibraryError as NcclLibraryError  # re-exported: callers catch nccl.NcclLibraryError
 
 SUCCESS, IN_PROGRESS = 0, 7
 RESULT_NAMES = ("ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",

@@ -1,1 +1,2 @@
-"""The host backend: numpy allocations, eager streams, the host twins of every kernel, and the threads-as-ranks collective. Imports ``core`` and ``sr``, never ``cuda``."""
+"""The host backend: numpy allocations, eager streams, the host twins of every kernel, and the
+threads-as-ranks collective. Imports ``core`` and ``sr``, never ``cuda``."""

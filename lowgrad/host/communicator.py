@@ -167,7 +167,8 @@ class HostCommunicator(CommBase):
             for flat, n in zip(flats, ns):
                 self.collective.post(self.rank, send_peer, "a2a", flat[send_slot * n:(send_slot + 1) * n].copy())
             for flat, n in zip(flats, ns):
-                flat[recv_slot * n:(recv_slot + 1) * n] = self.collective.take(recv_peer, self.rank, "a2a", self.timeout)
+                got = self.collective.take(recv_peer, self.rank, "a2a", self.timeout)
+                flat[recv_slot * n:(recv_slot + 1) * n] = got
 
     def host_allgather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` in rank order, on every rank."""

@@ -75,8 +75,8 @@ class GradientManager(NonBlockGradients, ABC):
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
         if rounding is not None and self.default_rounding is None:
-            raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine adds "
-                             "into the full gradients); choose a sharded strategy to pick a rounding")
+            raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
+                             "adds into the full gradients); choose a sharded strategy to pick a rounding")
         self.rounding = self.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
@@ -279,7 +279,7 @@ class GradientManager(NonBlockGradients, ABC):
                 raise ProtocolError(f"discard_step(total_micro_steps={total}) during a step of {state.total}")
         if idle and total is None:
             return False
-        M = total if idle else state.total
+        M = state.total if total is None else total  # not idle: the two are equal (checked above)
         if idle:  # refused (the step counter's last value) with nothing changed
             self.start_micro_step(stream, 0, M)
         try:

@@ -12,9 +12,10 @@ import json
 import math
 import operator
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from lowgrad.core.dtypes import DType, as_dtype
 from lowgrad.core.integers import integer
@@ -171,7 +172,7 @@ _BIAS_BY_MODEL_TYPE = {"qwen2": True, "llama": False}
 _MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KiB; refuse to read more than this
 
 
-def _load_config(config: Mapping[str, Any] | str | os.PathLike) -> tuple[Mapping[str, Any], str]:
+def _load_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str]:
     """(the config mapping, where it came from for error messages: the file's path, the preset
     or "config")."""
     if isinstance(config, Mapping):
@@ -223,7 +224,7 @@ def _flag(cfg: Mapping[str, Any], key: str, src: str) -> bool:
     return v
 
 
-def llama_layout(config: Mapping[str, Any] | str | os.PathLike) -> Layout:
+def llama_layout(config: Mapping[str, Any] | str | os.PathLike[str]) -> Layout:
     """Layout of a Llama/Qwen2-style decoder with Hugging Face parameter names.
 
     ``config`` is a ``config.json`` dict, a name in :data:`PRESETS`, or the path of a
