@@ -211,38 +211,6 @@ def parse_blocks(path: Path) -> list[Block]:
     return out
 
 
-# Blocks in pages that other engineers own today, waiting for their marks (the owner adds the
-# mark named here; the entry then matches nothing and may go). Keyed by file and the block's
-# first line, so an edited block is judged afresh. Not run.
-PENDING = {
-    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install \".[cu12]\" && python -m lowgrad demo"):
-        "bash fragment (installs)",
-    ("README.md", "lowgrad/             the package; its folders are its layers (docs/architecture.md)"): "text",
-    ("README.md", "for m in range(M):                              # step 0 eagerly: compiles, warms lazy buffers"):
-        "python fragment (micro_step, gm, s, steps come from the example above)",
-    ("docs/cli.md", 'lowgrad --version          # "lowgrad 0.1.0"'): "text (a synopsis)",
-    ("docs/cli.md", '{"name": "NVRTC", "status": "ok", "detail": "NVRTC 12.9 from /.../libnvrtc.so.12; '
-                    'kernel sources /.../kernels"}'):
-        "text (sample output)",
-    ("docs/cli.md", "lowgrad-trace 10664.2063 lowgrad-rank0 collective all_reduce rank=0 tensor=g count=8 "
-                    "dtype=fp32 stream=0x0 op=sum"):
-        "text (sample output)",
-    ("docs/protocol.md",
-     "gm = lowgrad.create_gradient_manager(layout, comm, strategy=\"scatter_reduce\", offload=False,"):
-        "python fragment (layout, comm)",
-    ("docs/protocol.md", "gm.start_micro_step(s, m, M)"): "python fragment (placeholders in <...>)",
-    ("docs/protocol.md", "shards = gm.block_shard(layer, s)        # Container of this rank's shards of one layer"):
-        "python fragment (gm, layer, name, s)",
-    ("docs/protocol.md", "engine stream s                               communication stream"): "text (a diagram)",
-    ("docs/protocol.md",
-     "for m in range(M):                       # one eager step first: compiles kernels, allocates scratch"):
-        "python fragment (micro_step, gm, s, M)",
-    ("docs/torch.md", "import lowgrad, lowgrad.torch"): "python fragment (model, comm, loss_fn, batch, M)",
-    ("docs/torch.md", "opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, lr=3e-4)"):
-        "python fragment (attached; `...` stands for the micro-steps)",
-}
-
-
 def all_blocks() -> list[Block]:
     return [b for doc in CODE_DOCS for b in parse_blocks(doc)]
 
@@ -283,10 +251,6 @@ def judge(block: Block) -> tuple[str, str]:
     return ("gpu" if "gpu" in block.marks else "run"), ""
 
 
-def pending(block: Block) -> str | None:
-    return PENDING.get((str(block.path.relative_to(ROOT)), block.first_line))
-
-
 def run_block(block: Block, tmp_path: Path, timeout: float) -> None:
     """Run a block alone in a fresh process, in a folder of links to the repository's top-level
     entries; fail with the block's file and line when it exits non-zero, times out, or prints
@@ -324,11 +288,7 @@ def run_block(block: Block, tmp_path: Path, timeout: float) -> None:
 def block_params(kinds: set[str]) -> list:
     out = []
     for b in all_blocks():
-        reason = pending(b)
-        if reason is not None and judge(b)[0] in ("bad", "run", "gpu"):
-            out.append(pytest.param(b, id=b.where, marks=pytest.mark.xfail(
-                run=False, reason=f"{b.where}: waits for its owner to mark it ```{reason}")))
-        elif judge(b)[0] in kinds:
+        if judge(b)[0] in kinds:
             out.append(pytest.param(b, id=b.where))
     return out
 
