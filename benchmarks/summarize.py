@@ -258,6 +258,12 @@ def plots(runs: Runs | None = None, out: Path | None = None) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def save(fig: Any, path: Path) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     runs = runs or Runs()
     out = out or runs.bench / PLOTS
     out.mkdir(parents=True, exist_ok=True)
@@ -280,10 +286,7 @@ def plots(runs: Runs | None = None, out: Path | None = None) -> list[Path]:
         ax.set_title(f"{curves[0]['params'] / 1e6:.0f} M-parameter transformer, run {run['run']} ({run['commit']})")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        written.append(out / "loss_curves.png")
-        fig.tight_layout()
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(save(fig, out / "loss_curves.png"))
     got = runs.load("accuracy")
     if got:
         run, (acc,) = got
@@ -301,10 +304,7 @@ def plots(runs: Runs | None = None, out: Path | None = None) -> list[Path]:
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, which="both")
-        written.append(out / "accuracy.png")
-        fig.tight_layout()
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(save(fig, out / "accuracy.png"))
     got = runs.load("manager")
     if got:
         run, (man,) = got
@@ -324,10 +324,7 @@ def plots(runs: Runs | None = None, out: Path | None = None) -> list[Path]:
         axes[0].legend(fontsize=8, loc="upper left")
         fig.suptitle(f"{man['config']} layout, world {man['world']}: time per micro-step (label: ratio to the floor), "
                      f"run {run['run']} ({run['commit']})", fontsize=9)
-        written.append(out / "manager.png")
-        fig.tight_layout()
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(save(fig, out / "manager.png"))
     return written
 
 
