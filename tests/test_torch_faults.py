@@ -239,10 +239,10 @@ def test_attach_twice_refused_until_closed_and_compiled_modules_attach() -> None
 
 
 def test_bad_micro_step_arguments_change_nothing() -> None:
-    def job(c: Any) -> dict[str, Any]:
+    def job(c: Any, bad_first: bool) -> dict[str, Any]:
         model = Tiny()
         att = attach(model, c, seed=7)
-        for bad in (("0", 2), (0, 2.0), (1, 2), (0, 0), (True, 2)):
+        for bad in (("0", 2), (0, 2.0), (1, 2), (0, 0), (True, 2)) if bad_first else ():
             with pytest.raises((TypeError, ValueError)):
                 with att.micro_step(*bad):  # type: ignore[arg-type]
                     raise AssertionError("the body must not run")
@@ -253,17 +253,7 @@ def test_bad_micro_step_arguments_change_nothing() -> None:
         out = shards(att.gm, att.layout)
         att.close()
         return out
-
-    def clean(c: Any) -> dict[str, Any]:
-        model = Tiny()
-        att = attach(model, c, seed=7)
-        for m in range(2):
-            with att.micro_step(m, 2):
-                loss(model, c.rank, m).backward()
-        out = shards(att.gm, att.layout)
-        att.close()
-        return out
-    got, want = lg.run_threads(2, job, backend="host"), lg.run_threads(2, clean, backend="host")
+    got = lg.run_threads(2, lambda c: job(c, True), backend="host")
+    want = lg.run_threads(2, lambda c: job(c, False), backend="host")
     for g, w in zip(got, want):
         assert all(np.array_equal(g[k], w[k]) for k in w)
-
