@@ -193,8 +193,8 @@ class Attached:
         if self._param_signature() != self._snapshot:
             raise ValueError("attached.micro_step: the model's parameters changed after attach (added, removed, "
                              "replaced, reshaped or retyped): attach again")
-        stale = [n for n, p in self._named() if p.grad is not None]
-        if stale:
+        if any(p.grad is not None for p in self._params):  # names only on the error path
+            stale = [n for n, p in self._named() if p.grad is not None]
             raise ProtocolError(f"attached.micro_step: parameters {stale[:3]} already hold a gradient in p.grad "
                                 "(from a backward outside a micro-step, or from before attach): it would be folded "
                                 "into this step; clear it with model.zero_grad(set_to_none=True)")
@@ -227,7 +227,7 @@ class Attached:
     def discard_step(self, total_micro_steps: int | None = None) -> bool:
         """Give up the step in progress after a fault outside ``micro_step`` (the data loader
         raised between micro-steps, say): every ``p.grad`` cleared, then
-        :meth:`GradientManager.discard_step <lowgrad.managers.base.GradientManager.discard_step>`
+        :meth:`GradientManager.discard_step <lowgrad.managers.manager.GradientManager.discard_step>`
         on PyTorch's current stream (``total_micro_steps``: discard a whole step that has not
         begun, so that peers running it are not left waiting). Faults inside ``micro_step``
         discard by themselves."""

@@ -189,10 +189,10 @@ def test_capture_leaves_shards_unreadable_and_a_replayed_step_makes_them_readabl
     g = fake_capture[0] = FakeGraph()
     one_step(gm, 2)
     fake_capture[0] = None
-    tpl = gm.capture_ended(g, False)
+    tpl = gm._graph_hooks.capture_ended(g, False)
     with pytest.raises(ProtocolError, match="before any step completed"):
         gm.block_shard(0, None)  # capturing ran nothing
-    gm.replay_done(gm.replay_check(tpl), 0)
+    gm._graph_hooks.replay_done(gm._graph_hooks.replay_check(tpl), 0)
     gm.block_shard(0, None)
 
 
@@ -231,16 +231,16 @@ def test_replay_refuses_to_pass_the_last_step(fake_capture: Any) -> None:
             gm.notify_block(layer, None)
         gm.end_micro_step(None)
         fake_capture[0] = None
-        templates[m] = gm.capture_ended(g, False)
+        templates[m] = gm._graph_hooks.capture_ended(g, False)
     gm.load_state_dict({**gm.state_dict(), "step": LAST_STEP})
     with pytest.raises(OverflowError):
-        gm.replay_check(templates[0])
+        gm._graph_hooks.replay_check(templates[0])
     gm.load_state_dict({**gm.state_dict(), "step": LAST_STEP - 1})
-    gm.replay_done(gm.replay_check(templates[0]), 0)  # step 2**32 - 2 runs ...
-    gm.replay_done(gm.replay_check(templates[1]), 0)  # ... and ends
+    gm._graph_hooks.replay_done(gm._graph_hooks.replay_check(templates[0]), 0)  # step 2**32 - 2 runs ...
+    gm._graph_hooks.replay_done(gm._graph_hooks.replay_check(templates[1]), 0)  # ... and ends
     assert gm.step == LAST_STEP
     with pytest.raises(OverflowError):
-        gm.replay_check(templates[0])
+        gm._graph_hooks.replay_check(templates[0])
 
 
 def test_non_integer_arguments_raise_type_error_before_any_change() -> None:
@@ -304,7 +304,7 @@ def test_closed_manager_raises_closed_error_first_and_changes_nothing(strategy: 
     g = fake_capture[0] = FakeGraph()
     one_step(gm)
     fake_capture[0] = None
-    tpl = gm.capture_ended(g, False)
+    tpl = gm._graph_hooks.capture_ended(g, False)
     one_step(gm)
     state = gm.state_dict()
     gm.close()
@@ -316,7 +316,7 @@ def test_closed_manager_raises_closed_error_first_and_changes_nothing(strategy: 
              "notify_non_block": lambda: gm.notify_non_block("emb", None),
              "end_micro_step": lambda: gm.end_micro_step(None),
              "shards": gm.shards, "state_dict": gm.state_dict, "load_state_dict": lambda: gm.load_state_dict(state),
-             "replay": lambda: gm.replay_check(tpl), **reads(gm)}
+             "replay": lambda: gm._graph_hooks.replay_check(tpl), **reads(gm)}
     for name, call in calls.items():
         with pytest.raises(lg.ClosedError, match="after close"):
             call()

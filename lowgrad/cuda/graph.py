@@ -44,7 +44,7 @@ _graph_launch: Any = None  # cuGraphLaunch through ctypes (lowgrad.cuda.driver.c
 
 class Participant(Protocol):
     """What a graph calls on an object that recorded itself in a capture: a gradient manager
-    (:class:`lowgrad.managers.replay.Replayable`; the template is its ``Template``)."""
+    (through :class:`lowgrad.managers.replay.GraphHooks`; the template is its ``Template``)."""
 
     def replay_check(self, template: Any) -> Any:
         """Raise if ``template`` cannot replay now; return what :meth:`replay_done` applies."""

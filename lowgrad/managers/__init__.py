@@ -5,8 +5,8 @@ from typing import Any
 
 from lowgrad.core.dtypes import DType, bf16
 from lowgrad.core.errors import ProtocolError
-from lowgrad.managers.base import GradientManager
 from lowgrad.managers.layout import Layout
+from lowgrad.managers.manager import GradientManager
 from lowgrad.managers.sharded import AllToAllManager, ShardedManager
 from lowgrad.managers.unsharded import UnshardedManager
 

@@ -7,18 +7,17 @@ restored and the :class:`Template` (which kinds of micro-steps were captured) go
 Each replay checks that the template fits the manager's next micro-steps, launches, and then
 advances the manager to the :class:`Replayed` state, as the eager calls would have.
 
-The graph drives this through the methods of :class:`Replayable` (the graph's participant
-protocol, :class:`lowgrad.cuda.graph.Participant`); nothing here imports a backend.
+The manager (:mod:`lowgrad.managers.manager`) does the capturing and replaying; this module holds
+the data that passes between it and the graph, and :class:`GraphHooks`, the only way a graph
+reaches a manager; nothing here imports a backend.
 """
 from __future__ import annotations
 
-from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowgrad.core import capture
 from lowgrad.core.errors import ProtocolError
-from lowgrad.core.streams import StreamLike
 from lowgrad.managers.protocol import MicroStepState, check_step_room
 
 
@@ -88,99 +87,16 @@ class Recording:
     events: set[Any] = field(default_factory=set)
 
 
-class Replayable:
-    """The capture/replay half of :class:`lowgrad.managers.base.GradientManager`."""
+@dataclass(frozen=True, eq=False)
+class GraphHooks:
+    """What a :class:`lowgrad.Graph` calls on a manager that recorded itself in its capture (the
+    graph's participant protocol, :class:`lowgrad.cuda.graph.Participant`): the manager's own
+    private methods, so that none of this is part of the manager's public protocol. Hashed by
+    identity (a graph keys its participants by it)."""
 
-    _protocol: MicroStepState
-    _recording: Recording | None
-    step: int
-    comm_stream: Any
-    _comm_done: Any
-
-    @abstractmethod
-    def _check_open(self, what: str) -> None: ...
-
-    @abstractmethod
-    def _events(self) -> list[Any]:
-        """The events later calls wait on (re-recorded after a capture and after each replay)."""
-
-    @abstractmethod
-    def _graph_allocations(self) -> tuple[Any, ...]:
-        """The allocations a graph of this manager's micro-steps uses."""
-
-    # ---- events: recorded and waited through these, so that a capture skips waits on work
-    # recorded outside it (a replay is ordered after everything before it on its stream)
-    def _record(self, event: Any, stream: StreamLike) -> None:
-        event.record(stream)
-        if self._recording is not None:
-            self._recording.events.add(event)
-
-    def _wait(self, event: Any, stream: StreamLike) -> None:
-        rec = self._recording
-        if capture.current() is None or (rec is not None and event in rec.events):
-            event.wait(stream)
-
-    # ---- capture -----------------------------------------------------------------------
-    def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
-        """First micro-step of this manager in capture ``cap``: save host state, then set it so
-        that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""
-        state = self._protocol
-        if state.in_micro or self._recording is not None:
-            raise ProtocolError(f"start_micro_step({micro_step}) in a capture while micro-step {state.micro} is in "
-                                "progress outside it")
-        if not 0 <= micro_step < total:
-            raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
-        self._recording = Recording(cap, state.copy(), self.step,
-                                    Template(micro_step, total, assume_touched=micro_step > 0))
-        state.micro, state.total, state.nb_touched = micro_step - 1, total, set()
-        cap.join(self)
-        cap.keep(self._graph_allocations())
-
-    def _end_template_micro_step(self, last: bool) -> None:
-        if self._recording is not None:
-            self._recording.template.micro_step_ended(self._protocol.nb_touched, last)
-
-    def capture_closing(self, stream: int) -> None:
-        """A capture is ending, maybe inside a micro-step (an error): bring the communication
-        stream's captured work back into the captured stream so the capture can end cleanly."""
-        if self._protocol.in_micro:
-            self._record(self._comm_done, self.comm_stream)
-            self._comm_done.wait(stream)
-
-    def capture_ended(self, graph: Any, failed: bool) -> Template | None:
-        """Restore the host state saved at the capture's start and make the events valid for
-        eager work again; return the template (ProtocolError for a partial micro-step)."""
-        rec, state = self._recording, self._protocol
-        assert rec is not None, "capture_ended without a capture"
-        partial, tpl = state.in_micro, rec.template
-        tpl.touched, tpl.micro = frozenset(state.nb_touched), state.micro
-        self._protocol, self.step, self._recording = rec.saved, rec.saved_step, None
-        for e in self._events():
-            e.record(self.comm_stream)
-        if failed:
-            return None
-        if partial:
-            raise ProtocolError("the capture ended inside a micro-step: capture whole micro-steps "
-                                "(start_micro_step ... end_micro_step)")
-        return tpl
-
-    # ---- replay ------------------------------------------------------------------------
-    def replay_check(self, template: Template) -> Replayed:
-        """Whether the captured micro-steps fit this manager's next ones; the state after them."""
-        self._check_open("graph replay")
-        return template.fit(self._protocol, self.step)
-
-    def replay_before(self, stream: int) -> None:
-        self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
-
-    def replay_launch(self, stream: int) -> int:
-        return stream
-
-    def replay_done(self, applied: Replayed, stream: int) -> None:
-        state = self._protocol
-        state.complete = state.complete or applied.step > self.step  # the replay ended a step
-        state.micro, state.total, state.nb_touched = applied.micro, applied.total, set(applied.touched)
-        self.step = applied.step
-        for e in self._events():
-            e.record(stream)
-        self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
+    replay_check: Callable[[Template], Replayed]
+    replay_before: Callable[[int], None]
+    replay_launch: Callable[[int], int]
+    replay_done: Callable[[Replayed, int], None]
+    capture_closing: Callable[[int], None]
+    capture_ended: Callable[[Any, bool], Template | None]

@@ -32,7 +32,7 @@ from lowgrad import ops
 from lowgrad.core import capture
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
-from lowgrad.managers.base import GradientManager
+from lowgrad.managers.manager import GradientManager
 
 
 class ShardedManager(GradientManager):
@@ -55,7 +55,7 @@ class ShardedManager(GradientManager):
 
     def _bind(self) -> None:
         """Check and pack every per-layer launch once: own slices, SR adds (and reductions)."""
-        self._offsets = offsets = [self.shard_offset(s) for s in self.layout.block]
+        self._offsets = offsets = [self._shard_offset(s) for s in self.layout.block]
         self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
         lanes = [2 * i for i in range(len(self.layout.block))]  # phase 0
         self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
@@ -94,7 +94,7 @@ class ShardedManager(GradientManager):
     def _exchange(self, layer: int) -> None:
         """The strategy: queue layer ``layer``'s exchange and accumulation on the communication stream."""
         if self.world > 1:  # the mean over one rank is the gradient itself
-            self.reduce_scatter_all(self._buffers[layer % 2])
+            self._reduce_scatter_all(self._buffers[layer % 2])
         self._add_own(layer, self._protocol.micro == 0)
 
     def _add_own(self, layer: int, first: bool) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Container, Tensor, shard_view
-from lowgrad.managers.base import GradientManager
+from lowgrad.managers.manager import GradientManager
 
 
 class UnshardedManager(GradientManager):
     strategy = "unsharded"
-    default_rounding = None
+    _default_rounding = None
 
     def _alloc_blocks(self) -> None:
         if self.offload:
@@ -37,7 +37,7 @@ class UnshardedManager(GradientManager):
     def _exchange_block(self, layer: int, stream: StreamLike) -> None:
         if self.last_micro_step and self.world > 1:  # world 1: the mean is the gradient
             self._join(stream)
-            self.reduce_scatter_all(self._tensors[layer])
+            self._reduce_scatter_all(self._tensors[layer])
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
         """This rank's shards of layer ``layer`` (views of the full gradients), ready on ``stream``.

@@ -1,7 +1,9 @@
-"""What every gradient manager shares: the micro-step protocol (its state machine:
-:mod:`lowgrad.managers.protocol`), per-use seeds, the streams and events between the engine and
-the manager, the global norm and the saved state (:mod:`lowgrad.managers.state`). The non-block
-gradients are :mod:`lowgrad.managers.nonblock`; graph captures :mod:`lowgrad.managers.replay`.
+"""The gradient manager: one class that holds the micro-step protocol (its state machine:
+:mod:`lowgrad.managers.protocol`), the non-block gradients, per-use seeds, the streams and events
+between the engine and the manager, the global norm, the saved state
+(:mod:`lowgrad.managers.state`) and CUDA-graph capture and replay (the template's data:
+:mod:`lowgrad.managers.replay`). A strategy (:mod:`lowgrad.managers.sharded`,
+:mod:`lowgrad.managers.unsharded`) fills in the block half through a few narrow hooks.
 
 Protocol (``docs/protocol.md``), per micro-batch::
 
@@ -13,18 +15,25 @@ Protocol (``docs/protocol.md``), per micro-batch::
 
 then the optimizer reads ``gm.block_shard(layer, stream)`` / ``gm.non_block_shard(name, stream)``
 (and ``gm.grad_norm_squared``) until the next ``start_micro_step``: only after a completed step,
-``ProtocolError`` on a new manager, after ``load_state_dict`` and during a step. At the last
-micro-step every rank reduces every non-block gradient in layout order (the same collectives on
-every rank); one a rank did not fetch in the step contributes zeros.
-Calls queue work on ``stream`` (the engine's) or on the manager's own communication stream,
-ordered by events; none blocks the host.
+``ProtocolError`` on a new manager, after ``load_state_dict`` and during a step. The non-block
+gradients (embeddings, norms: parameters outside the repeated layers) are full on every rank and
+accumulated by the engine; at the last micro-step every rank reduce-scatters all of them in
+layout order (the same collectives on every rank), and one a rank did not fetch in the step
+contributes zeros. Calls queue work on ``stream`` (the engine's) or on the manager's own
+communication stream, ordered by events; none blocks the host.
 
 Seeds: the SR kernels read the manager's :class:`~lowgrad.sr.seedcounter.SeedCounter` (device
 memory) when they run; ``start_micro_step`` and the last ``end_micro_step`` queue its advance on
 the communication stream (``start_micro_step``'s on the engine's stream for a manager that works
-inline, whose SR kernels run there). Micro-steps may be captured in a :class:`lowgrad.Graph`:
-inside a capture the manager records a template and leaves its state alone; each replay checks
-the template against the next micro-step and advances the state (:mod:`lowgrad.managers.replay`).
+inline, whose SR kernels run there).
+
+Graphs: micro-steps may be captured in a :class:`lowgrad.Graph`. Inside a capture (the device's
+``capture_of(stream)`` is a graph) the manager runs the protocol on a *template* and leaves its
+host state as it was: it saves the state and collects the events recorded in the capture. When
+the capture ends the state is restored and the template (which kinds of micro-steps were captured)
+goes to the graph; each replay checks the template against the manager's next micro-steps,
+launches, and advances the state as the eager calls would have. The graph reaches the manager
+only through the :class:`GraphHooks` it was handed at the capture (nothing here imports a backend).
 """
 from __future__ import annotations
 
@@ -41,23 +50,26 @@ from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
 from lowgrad.managers.layout import Layout, ParamSpec
-from lowgrad.managers.nonblock import NonBlockGradients
 from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
-from lowgrad.managers.replay import Recording
+from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
 from lowgrad.managers.state import ManagerState
 from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
 
 
-class GradientManager(NonBlockGradients, ABC):
-    """Base of the managers; subclasses implement the block half (``_alloc_blocks``,
-    ``block_full``, ``_exchange_block``, ``block_shard``, ``_block_shards``, ``_owned``)."""
+class GradientManager(ABC):
+    """One rank's gradients, driven by the engine through the micro-step protocol.
+
+    A strategy subclass supplies the block half through its hooks: ``_alloc_blocks`` (buffers,
+    shards, their events), ``block_full``/``_full`` (what the engine writes a layer into),
+    ``_exchange_block`` (what a notified layer queues), ``block_shard``/``_block_shards`` (what
+    the optimizer reads) and ``_owned`` (what ``close`` frees)."""
 
     strategy = ""
 
     #: the rounding of a manager created without one (None: the manager rounds nothing itself)
-    default_rounding: str | None = DEFAULT_ROUNDING
+    _default_rounding: str | None = DEFAULT_ROUNDING
 
     def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
                  offload: bool = False, rounding: str | None = None, inline: bool | None = None) -> None:
@@ -74,17 +86,18 @@ class GradientManager(NonBlockGradients, ABC):
         step = check_step("step", step)
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
-        if rounding is not None and self.default_rounding is None:
+        if rounding is not None and self._default_rounding is None:
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
                              "adds into the full gradients); choose a sharded strategy to pick a rounding")
-        self.rounding = self.default_rounding if rounding is None else check_rounding(rounding)
+        self.rounding = self._default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
         #: the block accumulation runs on the engine's stream, not the communication stream
         self._inline = self._check_inline(inline)
         self.base_seed, self.step = seed, step
-        self.comm_stream = self.device.stream(priority=self.device_priority_high())
+        # the most urgent priority (numerically lowest): exchanges finish early beside backward
+        self.comm_stream = self.device.stream(priority=min(self.device.stream_priority_range))
         self._comm_handle = stream_handle(self.comm_stream)
         self._engine_done = self.device.event(name="engine_done")
         self._comm_done = self.device.event(name="comm_done")
@@ -93,6 +106,8 @@ class GradientManager(NonBlockGradients, ABC):
         self._closed = False
         self._protocol = MicroStepState(layout.num_layers)
         self._recording: Recording | None = None  # a graph capture in progress
+        self._graph_hooks = GraphHooks(self._replay_check, self._replay_before, self._replay_launch,
+                                       self._replay_done, self._capture_closing, self._capture_ended)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         self._alloc_non_block()
@@ -104,17 +119,13 @@ class GradientManager(NonBlockGradients, ABC):
         None means True; elsewhere only None and False are accepted."""
         if inline is not None and not isinstance(inline, bool):
             raise TypeError(f"inline must be a bool or None, got {type(inline).__name__} {inline!r}")
-        possible = self.default_rounding is not None and self.world == 1 and not self.offload
+        possible = self._default_rounding is not None and self.world == 1 and not self.offload
         if inline and not possible:
-            why = ("the unsharded manager accumulates nothing itself" if self.default_rounding is None
+            why = ("the unsharded manager accumulates nothing itself" if self._default_rounding is None
                    else f"world is {self.world}: the accumulation follows the exchange" if self.world > 1
                    else "offloaded shards are accumulated over PCIe, beside the engine's work")
             raise ValueError(f"inline=True needs a sharded strategy at world 1 with device shards: {why}")
         return possible if inline is None else inline
-
-    def device_priority_high(self) -> int:
-        """The device's most urgent stream priority (numerically lowest)."""
-        return min(self.device.stream_priority_range)
 
     # ---- allocation ----------------------------------------------------------------------
     @abstractmethod
@@ -239,7 +250,7 @@ class GradientManager(NonBlockGradients, ABC):
         if last:
             self.step += 1
 
-    def reduce_scatter_all(self, tensors: list[Tensor]) -> None:
+    def _reduce_scatter_all(self, tensors: list[Tensor]) -> None:
         """In-place average reduce-scatter of every tensor, as one NCCL group on the
         communication stream (one launch for a layer instead of one per tensor)."""
         if tensors:
@@ -322,6 +333,66 @@ class GradientManager(NonBlockGradients, ABC):
         self._check_call(what, stream)
         self._protocol.check_readable(what, self.step)
 
+    # ---- the non-block gradients -----------------------------------------------------------
+    def _alloc_non_block(self) -> None:
+        """One device block for every non-block gradient (layout order)."""
+        lazy = self.device.lazy_allocator("device")
+        self._nb_full = {s.name: lazy.alloc(s.shape, self.dtype, "non_block_grad") for s in self.layout.non_block}
+        self._nb_list = list(self._nb_full.values())  # layout order: the order every rank reduces them in
+        self._nb_spec = {s.name: s for s in self.layout.non_block}
+        if self._nb_full:
+            lazy.commit()
+
+    def non_block_full(self, name: str, stream: StreamLike) -> tuple[Tensor, bool]:
+        """The full gradient of non-block parameter ``name`` and whether to add into it.
+
+        ``zero_init`` parameters are zeroed on ``stream`` at their first fetch of a step and are
+        always added into. Fetching again within a step returns ``accumulate=True``.
+        """
+        self._check_in_micro(f"non_block_full({name!r})", stream)
+        t = self._nb(name)
+        rec = self._recording
+        first = self._protocol.fetch_non_block(name, rec is not None and rec.template.assume_touched)
+        if first:
+            self._wait(self._nb_done, stream)  # the previous step's reduce-scatter is done with it
+        if first and self._nb_spec[name].zero_init:
+            ops.fill_zero(t, stream)
+        return t, (not first) or self._nb_spec[name].zero_init
+
+    def notify_non_block(self, name: str, stream: StreamLike) -> None:
+        """The engine finished writing non-block gradient ``name`` on ``stream``."""
+        self._check_in_micro(f"notify_non_block({name!r})", stream)
+        self._nb(name)
+        self._protocol.notify_non_block(name)
+
+    def _finish_non_block(self, stream: StreamLike) -> None:
+        """Reduce-scatter every non-block gradient in layout order, whichever this rank produced:
+        every rank issues the same collectives. One this rank never fetched in the step (so
+        nothing was written into it since the previous step's reduce-scatter) is zeroed first and
+        contributes zeros to the mean."""
+        self._join(stream)
+        for name, t in self._nb_full.items():
+            if name not in self._protocol.nb_touched:
+                ops.fill_zero(t, self.comm_stream)
+        if self.world > 1:  # world 1: the mean is the gradient
+            self._reduce_scatter_all(self._nb_list)
+        self._record(self._nb_done, self.comm_stream)
+
+    def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
+        """This rank's shard of non-block gradient ``name`` (dim 0 split by world), ready on
+        ``stream`` (which waits for the reduce-scatter). Valid between steps, after a completed
+        step (ProtocolError otherwise); zeros where no rank produced it in the step."""
+        self._check_readable(f"non_block_shard({name!r})", stream)
+        t = self._nb(name)
+        self._wait(self._nb_done, stream)
+        return shard_view(t, self.rank, self.world)
+
+    def _nb(self, name: str) -> Tensor:
+        try:
+            return self._nb_full[name]
+        except KeyError:
+            raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
+
     # ---- containers ----------------------------------------------------------------------
     def _container(self, tensors: list[Tensor]) -> Container:
         return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
@@ -331,7 +402,7 @@ class GradientManager(NonBlockGradients, ABC):
             if s.zero_init:
                 ops.fill_zero(t, stream)
 
-    def shard_offset(self, spec: ParamSpec) -> int:
+    def _shard_offset(self, spec: ParamSpec) -> int:
         """Element offset of this rank's shard within the full tensor (for the SR noise index)."""
         return self.rank * (spec.numel // self.world)
 
@@ -393,6 +464,83 @@ class GradientManager(NonBlockGradients, ABC):
     @abstractmethod
     def _owned(self) -> list[Tensor]:
         """The block tensors this manager allocated."""
+
+    # ---- events: recorded and waited through these, so that a capture skips waits on work
+    # recorded outside it (a replay is ordered after everything before it on its stream)
+    def _record(self, event: Any, stream: StreamLike) -> None:
+        event.record(stream)
+        if self._recording is not None:
+            self._recording.events.add(event)
+
+    def _wait(self, event: Any, stream: StreamLike) -> None:
+        rec = self._recording
+        if capture.current() is None or (rec is not None and event in rec.events):
+            event.wait(stream)
+
+    # ---- graph capture and replay (what GraphHooks hands the graph) -------------------------
+    def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
+        """First micro-step of this manager in capture ``cap``: save host state, then set it so
+        that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""
+        state = self._protocol
+        if state.in_micro or self._recording is not None:
+            raise ProtocolError(f"start_micro_step({micro_step}) in a capture while micro-step {state.micro} is in "
+                                "progress outside it")
+        if not 0 <= micro_step < total:
+            raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
+        self._recording = Recording(cap, state.copy(), self.step,
+                                    Template(micro_step, total, assume_touched=micro_step > 0))
+        state.micro, state.total, state.nb_touched = micro_step - 1, total, set()
+        cap.join(self._graph_hooks)
+        cap.keep(self._graph_allocations())
+
+    def _end_template_micro_step(self, last: bool) -> None:
+        if self._recording is not None:
+            self._recording.template.micro_step_ended(self._protocol.nb_touched, last)
+
+    def _capture_closing(self, stream: int) -> None:
+        """A capture is ending, maybe inside a micro-step (an error): bring the communication
+        stream's captured work back into the captured stream so the capture can end cleanly."""
+        if self._protocol.in_micro:
+            self._record(self._comm_done, self.comm_stream)
+            self._comm_done.wait(stream)
+
+    def _capture_ended(self, graph: Any, failed: bool) -> Template | None:
+        """Restore the host state saved at the capture's start and make the events valid for
+        eager work again; return the template (ProtocolError for a partial micro-step)."""
+        rec, state = self._recording, self._protocol
+        assert rec is not None, "capture_ended without a capture"
+        partial, tpl = state.in_micro, rec.template
+        tpl.touched, tpl.micro = frozenset(state.nb_touched), state.micro
+        self._protocol, self.step, self._recording = rec.saved, rec.saved_step, None
+        for e in self._events():
+            e.record(self.comm_stream)
+        if failed:
+            return None
+        if partial:
+            raise ProtocolError("the capture ended inside a micro-step: capture whole micro-steps "
+                                "(start_micro_step ... end_micro_step)")
+        return tpl
+
+    def _replay_check(self, template: Template) -> Replayed:
+        """Whether the captured micro-steps fit this manager's next ones; the state after them."""
+        self._check_open("graph replay")
+        return template.fit(self._protocol, self.step)
+
+    def _replay_before(self, stream: int) -> None:
+        self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
+
+    @staticmethod
+    def _replay_launch(stream: int) -> int:
+        return stream
+
+    def _replay_done(self, applied: Replayed, stream: int) -> None:
+        state = self._protocol
+        state.complete = state.complete or applied.step > self.step  # the replay ended a step
+        state.micro, state.total, state.nb_touched = applied.micro, applied.total, set(applied.touched)
+        self.step = applied.step
+        for e in self._events():
+            e.record(stream)
+        self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
 
     def _graph_allocations(self) -> tuple[Any, ...]:
         return tuple(t.allocation for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm))
