@@ -4,59 +4,79 @@ Accumulation over micro-batches with stochastic rounding into bf16, ZeRO-style s
 host offload and the NCCL traffic that goes with it, through the CUDA driver (cuda.bindings),
 NVRTC and NCCL (ctypes). ``import lowgrad`` never needs a GPU; the CUDA backend raises
 :class:`CudaUnavailableError` at first use where there is none, and :class:`HostDevice` runs
-the same code on the CPU. The package's own documentation is in ``docs/`` of the repository.
+the same code on the CPU. The package's own documentation is in ``docs/`` of the repository;
+``__all__`` is the list of stable names in ``docs/design.md``.
 
-Layers (folders): ``core`` (errors, dtypes, memory, tensors, DLPack, streams rule, capture
-guards, deferred release, the backend contract, the collective base, the rendezvous), ``sr``
-(Philox, per-use seeds, the numpy reference, the seed counter), ``ops`` (the kernel front),
-``cuda`` and ``host`` (the two backends), ``bootstrap`` (ranks and communicators),
-``managers`` (gradient managers and layouts), ``cli`` (demo, doctor).
+``import lowgrad`` loads the element types, the exceptions and the tensor types; every other name
+is imported at its first use (PEP 562), so a program that uses only the host backend never loads
+the CUDA one, and one that never makes a manager never loads the managers.
 """
-from lowgrad import ops
-from lowgrad.bootstrap import from_env, run_threads
+from importlib import import_module
+from typing import Any
+
 from lowgrad.core.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.core.errors import (
-                                 CaptureError,
-                                 ClosedError,
-                                 CommAbortedError,
-                                 CommTimeoutError,
-                                 CudaError,
-                                 CudaUnavailableError,
-                                 LowgradError,
-                                 NcclError,
-                                 NcclLibraryError,
-                                 NonFiniteGradientError,
-                                 NvrtcError,
-                                 ProtocolError,
+    CaptureError,
+    ClosedError,
+    CommAbortedError,
+    CommTimeoutError,
+    CudaError,
+    CudaUnavailableError,
+    LowgradError,
+    NcclError,
+    NcclLibraryError,
+    NonFiniteGradientError,
+    NvrtcError,
+    ProtocolError,
 )
 from lowgrad.core.memory import MemoryReport
 from lowgrad.core.streams import stream_handle
 from lowgrad.core.tensor import Container, LazyAllocator, Tensor, from_numpy, shard_view
 from lowgrad.core.version import __version__ as __version__
-from lowgrad.cuda import nccl
-from lowgrad.cuda.communicator import Communicator
-from lowgrad.cuda.compiler import compile_kernels
-from lowgrad.cuda.device import Device, device_count
-from lowgrad.cuda.graph import Graph
-from lowgrad.cuda.loopback import LoopbackCommunicator
-from lowgrad.cuda.stream import Event, Stream
-from lowgrad.host.communicator import HostCommunicator
-from lowgrad.host.device import HostDevice, HostEvent, HostStream
-from lowgrad.managers import GradientManager, create_gradient_manager
-from lowgrad.managers.layout import Layout, ParamSpec, llama_layout
-from lowgrad.sr import reference
-from lowgrad.sr.philox import philox4x32_10
-from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, ROUNDINGS, SeedCounter
-from lowgrad.sr.seeds import use_seed
+
+#: every public name imported at first use -> the module that defines it (a name equal to the
+#: module's last part is the module itself: ``lowgrad.ops``, ``lowgrad.nccl``, ``lowgrad.reference``)
+_LAZY: dict[str, str] = {
+    "Device": "lowgrad.cuda.device", "device_count": "lowgrad.cuda.device", "Stream": "lowgrad.cuda.stream",
+    "Event": "lowgrad.cuda.stream", "Graph": "lowgrad.cuda.graph", "Communicator": "lowgrad.cuda.communicator",
+    "compile_kernels": "lowgrad.cuda.compiler", "nccl": "lowgrad.cuda.nccl",
+    "HostDevice": "lowgrad.host.device", "HostCommunicator": "lowgrad.host.communicator",
+    "run_threads": "lowgrad.launch.bootstrap", "from_env": "lowgrad.launch.bootstrap",
+    "ParamSpec": "lowgrad.managers.layout", "Layout": "lowgrad.managers.layout",
+    "llama_layout": "lowgrad.managers.layout", "create_gradient_manager": "lowgrad.managers",
+    "GradientManager": "lowgrad.managers.manager",
+    "ops": "lowgrad.ops", "reference": "lowgrad.sr.reference", "philox4x32_10": "lowgrad.sr.philox",
+    "use_seed": "lowgrad.sr.seeds", "ROUNDINGS": "lowgrad.sr.seedcounter",
+    "DEFAULT_ROUNDING": "lowgrad.sr.seedcounter",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lowgrad' has no attribute {name!r}")
+    mod = import_module(module)
+    value = mod if module.rpartition(".")[2] == name else getattr(mod, name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
-    "Device", "HostDevice", "Stream", "Event", "HostStream", "HostEvent", "Tensor", "Container",
-    "LazyAllocator", "MemoryReport", "DType", "fp32", "bf16", "fp16", "fp8_e4m3", "byte", "fp64",
-    "from_numpy", "shard_view", "stream_handle", "device_count", "ops", "reference", "nccl",
-    "philox4x32_10", "compile_kernels", "Communicator", "LoopbackCommunicator", "HostCommunicator", "run_threads",
-    "from_env",
+    # devices and memory
+    "Device", "HostDevice", "device_count", "Stream", "Event", "stream_handle", "MemoryReport", "LazyAllocator",
+    # tensors and element types
+    "Tensor", "Container", "from_numpy", "shard_view", "DType", "fp32", "bf16", "fp16", "fp8_e4m3", "byte", "fp64",
+    # rounding and kernels
+    "philox4x32_10", "use_seed", "reference", "ops", "compile_kernels", "ROUNDINGS", "DEFAULT_ROUNDING",
+    # communication
+    "nccl", "Communicator", "HostCommunicator", "run_threads", "from_env",
+    # models and managers
     "ParamSpec", "Layout", "llama_layout", "create_gradient_manager", "GradientManager", "Graph",
-    "SeedCounter", "ROUNDINGS", "DEFAULT_ROUNDING", "use_seed",
+    # exceptions
     "LowgradError", "CudaError", "CudaUnavailableError", "NvrtcError", "NcclError", "NcclLibraryError",
     "CommTimeoutError", "CommAbortedError", "ClosedError", "CaptureError", "ProtocolError",
     "NonFiniteGradientError",

@@ -87,3 +87,22 @@ def test_main_module_is_the_cli_entry() -> None:
     from lowgrad.cli.main import main
 
     assert entry.main is main
+
+
+def test_all_is_the_stable_list_of_the_design_doc() -> None:
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text[text.index("These names are stable"):text.index("- Command line:")]
+    heads = set(re.findall(r"`([A-Za-z_]\w*)", section))
+    documented = {h for h in heads if h in lowgrad.__all__ or h[0].isupper()}
+    exceptions = {n for n in lowgrad.__all__ if isinstance(getattr(lowgrad, n), type)
+                  and issubclass(getattr(lowgrad, n), BaseException)}
+    assert documented | exceptions == set(lowgrad.__all__), (documented ^ set(lowgrad.__all__)) - exceptions
+
+
+def test_import_loads_no_backend_manager_or_launcher() -> None:
+    import subprocess
+    import sys
+    code = ("import sys, lowgrad; print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('lowgrad.')}), "
+            "'cuda.bindings' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['core'] False", out
