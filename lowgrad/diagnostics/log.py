@@ -1,0 +1,157 @@
+"""The gradient log: one JSON line per step (:class:`StepLog`), read back by :func:`read_log`.
+
+Only rank 0 writes. Every rank holds every rank's statistics at the end of a step, so every rank
+would write the same line: W copies of it, and W writers appending to one shared file interleave.
+The one human line of a non-finite step goes to the ``lowgrad`` logger (WARNING) from rank 0 for
+the same reason.
+
+A failed write (a full disk, a lost network mount) does not raise into the training loop: the log
+says so once on the ``lowgrad`` logger (WARNING, with the error and the step), stops writing and
+the run goes on; diagnostics are not worth a crashed run, and a full disk is not the log's to
+fix. A path that cannot be opened raises at construction, before training starts. Each line is
+flushed as it is written, so a crashed run keeps its lines and a running one can be read.
+
+A line (``format`` 1; non-finite numbers are written as null: the line is strict JSON)::
+
+    {"format": 1, "step": 812, "rank": 0, "world": 8, "micro_steps": 4,
+     "batch": {"micro": 64, "local": 8, "step": 256}, "skipped": true,
+     "global": SUMMARY, "layers": [{"layer": -1, ...SUMMARY}, {"layer": 0, ...}, ...],
+     "tensors": [{"name": ..., "layer": ..., "norm": ..., "nonfinite": ..., "maxabs": ...,
+                  "micro_norms": [...] or null}, ...],      (only with per_tensor=True)
+     "nonfinite": {"message": "step 812 skipped: ...", "parameter": ..., ...} or null}
+
+    SUMMARY = {"norm": ..., "nonfinite": ..., "maxabs": ..., "noise": NOISE, "noise_local": NOISE}
+    NOISE = {"g2": ..., "trace": ..., "b_simple": ..., "ema": {"g2": ..., "trace": ..., "b_simple": ...}}
+            or null (nothing to estimate from this step)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from types import TracebackType
+from typing import IO, Any
+
+from lowgrad.core.integers import integer
+from lowgrad.core.trace import logger
+from lowgrad.diagnostics.noise_scale import NoiseScale, NoiseScaleEMA
+from lowgrad.diagnostics.report import StepStats, Summary
+
+FORMAT = 1
+
+
+def _num(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _noise(value: NoiseScale | None, averaged: NoiseScale | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    ema = None if averaged is None else {"g2": _num(averaged.g2), "trace": _num(averaged.trace),
+                                         "b_simple": _num(averaged.b_simple)}
+    return {"g2": _num(value.g2), "trace": _num(value.trace), "b_simple": _num(value.b_simple), "ema": ema}
+
+
+def _summary(s: Summary, key: object, ema: NoiseScaleEMA) -> dict[str, Any]:
+    return {"norm": _num(s.norm), "nonfinite": s.nonfinite, "maxabs": s.maxabs,
+            "noise": _noise(s.noise, ema.update(("noise", key), s.noise)),
+            "noise_local": _noise(s.noise_local, ema.update(("noise_local", key), s.noise_local))}
+
+
+def step_record(stats: StepStats, *, skipped: bool, ema: NoiseScaleEMA, per_tensor: bool = False) -> dict[str, Any]:
+    """The log line of one step as a dict (what :class:`StepLog` writes), folding its noise
+    scales into ``ema``."""
+    report = stats.first_nonfinite()
+    record: dict[str, Any] = {
+        "format": FORMAT, "step": stats.step, "rank": stats.rank, "world": stats.world,
+        "micro_steps": stats.micro_steps,
+        "batch": {"micro": stats.micro_batch, "local": stats.local_batch, "step": stats.step_batch},
+        "skipped": bool(skipped),
+        "global": _summary(stats.summary(), "global", ema),
+        "layers": [{"layer": layer, **_summary(s, layer, ema)} for layer, s in stats.layer_summaries().items()],
+    }
+    if per_tensor:
+        record["tensors"] = [{"name": t.name, "layer": t.layer, "norm": _num(t.norm), "nonfinite": t.nonfinite,
+                              "maxabs": t.maxabs,
+                              "micro_norms": None if t.micro_norms is None else [_num(x) for x in t.micro_norms]}
+                             for t in stats.tensors().values()]
+    record["nonfinite"] = None if report is None else {"message": str(report), **dataclasses.asdict(report)}
+    return record
+
+
+class StepLog:
+    """The JSON-lines log of a run: create it on every rank with the rank's number; rank 0 opens
+    ``path`` (appending: a resumed run continues its log) and writes, the others only keep the
+    noise scales' moving averages (``ema_decay``, :class:`NoiseScaleEMA`) so that every rank's
+    :meth:`record` returns the same line. ``per_tensor`` adds every parameter to each line."""
+
+    def __init__(self, path: str | os.PathLike[str], *, rank: int, per_tensor: bool = False,
+                 ema_decay: float = 0.9) -> None:
+        self.rank = integer("rank", rank)
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        self.ema = NoiseScaleEMA(ema_decay)
+        self.path, self.per_tensor = os.fspath(path), per_tensor
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8") if self.rank == 0 else None
+
+    def record(self, stats: StepStats, *, skipped: bool) -> dict[str, Any]:
+        """Log one step (``skipped``: whether the optimizer skipped it) and return its line as a
+        dict; on rank 0, write it, and put the non-finite report on the ``lowgrad`` logger."""
+        if stats.rank != self.rank:
+            raise ValueError(f"statistics of rank {stats.rank} given to the log of rank {self.rank}")
+        record = step_record(stats, skipped=skipped, ema=self.ema, per_tensor=self.per_tensor)
+        if self.rank == 0:
+            if record["nonfinite"] is not None:
+                logger.warning("%s", record["nonfinite"]["message"])
+            self._write(json.dumps(record, allow_nan=False) + "\n", stats.step)
+        return record
+
+    def _write(self, line: str, step: int) -> None:
+        if self._file is None:  # closed, or stopped by a failed write
+            return
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as exc:
+            logger.warning("gradient log %s: writing step %d failed (%s); the log stops here, training goes on",
+                           self.path, step, exc)
+            self.close()
+
+    def close(self) -> None:
+        """Close the file (rank 0); later records are returned, not written. Idempotent."""
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:  # the flush of close() on the full disk that stopped the log
+                pass
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines of a gradient log, in order. A last line without its newline that does not
+    parse is left out (a run killed, or still running, in the middle of a write); any other
+    line that is not a record of this format is a ValueError naming the line."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # the text after the last newline: an unfinished write
+                break
+            raise ValueError(f"{os.fspath(path)}:{number}: not JSON ({exc})") from None
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise ValueError(f"{os.fspath(path)}:{number}: not a gradient log line of format {FORMAT}")
+        records.append(record)
+    return records

@@ -1,0 +1,198 @@
+"""One step's gradient statistics on the host (:class:`StepStats`), and what is read from them:
+per parameter, per layer, for the whole model, the noise scale and the first non-finite value.
+
+What a manager hands over, every rank holding every rank's rows (gathered at the end of the step),
+for T tensors in layout order (the non-block tensors, then layer 0's block tensors, layer 1's, ...):
+
+- ``accumulated`` [W, T]: rank r's part of the accumulated gradient S at the end of the step (the
+  parts of all ranks make the tensor), covering ``step_batch`` samples;
+- ``micro`` [W, M, T] or None: rank r's part of the gradient the manager consumed at micro-step m
+  (for the sharded strategies the reduced gradient's shard on rank r), covering ``micro_batch``
+  samples; None where the strategy never sees a micro-step's gradient (the unsharded one, whose
+  engine accumulates);
+- ``local`` [W, M, T] or [W, 1, T], or None: each rank's own full gradient before any exchange, of
+  each micro-step (covering ``local_batch`` samples) or accumulated over the step (the unsharded
+  strategy); world > 1 only (at world 1 there is no exchange).
+
+Each is a :class:`Stats` triple: ``sumsq`` the sum of squares of all values (so NaN or inf when one
+is), ``nonfinite`` the count of NaN and ±inf, ``maxabs`` the largest |x| of the finite values (0 for
+none). Squared norms and counts add over tensors and shards, and maxima take the maximum.
+
+Batch sizes are in samples, or any unit as long as they are in one: the micro-steps' batches add up
+to the step's (``step_batch = micro_steps * micro_batch``) and so do the local ones
+(``step_batch = world * local columns * local_batch``), since S is their mean
+(lowgrad's managers average over ranks and sum over micro-steps).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lowgrad.core.integers import integer
+from lowgrad.diagnostics.noise_scale import NoiseScale, from_contributions
+from lowgrad.diagnostics.nonfinite import NonFiniteReport, first_nonfinite
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Sum of squares, non-finite count and largest finite |x|: three arrays of one shape."""
+
+    sumsq: NDArray[np.float64]
+    nonfinite: NDArray[np.int64]
+    maxabs: NDArray[np.float64]
+
+    def __post_init__(self) -> None:
+        for field, dtype in (("sumsq", np.float64), ("nonfinite", np.int64), ("maxabs", np.float64)):
+            a = getattr(self, field)
+            if not isinstance(a, np.ndarray) or a.dtype != dtype:
+                got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+                raise TypeError(f"Stats.{field} must be a numpy array of {np.dtype(dtype)}, got {got}")
+        if not self.sumsq.shape == self.nonfinite.shape == self.maxabs.shape:
+            raise ValueError(f"Stats arrays differ in shape: sumsq {self.sumsq.shape}, "
+                             f"nonfinite {self.nonfinite.shape}, maxabs {self.maxabs.shape}")
+        if (self.sumsq < 0).any() or (self.nonfinite < 0).any():
+            raise ValueError("Stats.sumsq and Stats.nonfinite cannot be negative")
+        if not np.isfinite(self.maxabs).all() or (self.maxabs < 0).any():
+            raise ValueError("Stats.maxabs is the largest |x| of the finite values: finite and not negative")
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """One parameter's gradient in the step: ``norm``, ``nonfinite`` and ``maxabs`` of the
+    accumulated gradient; ``micro_norms`` the norm of each micro-step's contribution (None
+    without per-micro-step statistics)."""
+
+    name: str
+    layer: int
+    norm: float
+    nonfinite: int
+    maxabs: float
+    micro_norms: tuple[float, ...] | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A group of tensors (a layer, or all of them): the accumulated gradient's ``norm``,
+    ``nonfinite`` and ``maxabs``; ``noise`` the noise scale from micro-steps against the step,
+    ``noise_local`` the one from each rank's local gradient against the step (world > 1). Each
+    is None where there is nothing to estimate from (one micro-step, no such statistics, a
+    non-finite value)."""
+
+    norm: float
+    nonfinite: int
+    maxabs: float
+    noise: NoiseScale | None
+    noise_local: NoiseScale | None
+
+
+def _positive(what: str, value: object) -> int:
+    n = integer(what, value)
+    if n < 1:
+        raise ValueError(f"{what} must be at least 1, got {n}")
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """One step's statistics (the module's docstring says what each field holds); every field is
+    checked on construction (TypeError or ValueError naming it). Built by a manager, or by hand
+    from host arrays."""
+
+    names: Sequence[str]  # kept as a tuple
+    layers: Sequence[int]  # kept as a tuple
+    accumulated: Stats
+    micro: Stats | None
+    local: Stats | None
+    micro_batch: int
+    local_batch: int
+    step_batch: int
+    step: int
+    rank: int
+    world: int
+    micro_steps: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.names, str):
+            raise TypeError("names must be a sequence of parameter names, not one string")
+        names, layers = tuple(self.names), tuple(integer("a layer", x) for x in self.layers)
+        if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+            raise ValueError("names must be distinct non-empty strings, at least one")
+        if len(layers) != len(names):
+            raise ValueError(f"{len(names)} names but {len(layers)} layers")
+        if min(layers) < -1 or any(b < a for a, b in zip(layers, layers[1:])):
+            raise ValueError("layers must be in layout order: -1 (non-block) first, then 0, 1, ... not decreasing")
+        for field in ("micro_batch", "local_batch", "step_batch", "world", "micro_steps"):
+            object.__setattr__(self, field, _positive(field, getattr(self, field)))
+        step, rank = integer("step", self.step), integer("rank", self.rank)
+        if step < 0 or not 0 <= rank < self.world:
+            raise ValueError(f"step must be >= 0 and rank in [0, {self.world}), got step {step} and rank {rank}")
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "step", step)
+        object.__setattr__(self, "rank", rank)
+        W, M, T = self.world, self.micro_steps, len(names)
+        self._check("accumulated", self.accumulated, {(W, T)})
+        if self.micro is not None:
+            self._check("micro", self.micro, {(W, M, T)})
+            if self.step_batch != M * self.micro_batch:
+                raise ValueError(f"step_batch {self.step_batch} is not micro_steps {M} x "
+                                 f"micro_batch {self.micro_batch}")
+        if self.local is not None:
+            if W == 1:
+                raise ValueError("local statistics are for world > 1 "
+                                 "(at world 1 the micro-step gradient is the local one)")
+            self._check("local", self.local, {(W, M, T), (W, 1, T)})
+            if self.step_batch != W * self.local.sumsq.shape[1] * self.local_batch:
+                raise ValueError(f"step_batch {self.step_batch} is not world {W} x {self.local.sumsq.shape[1]} "
+                                 f"local column(s) x local_batch {self.local_batch}")
+
+    @staticmethod
+    def _check(what: str, stats: object, shapes: set[tuple[int, ...]]) -> None:
+        if not isinstance(stats, Stats):
+            raise TypeError(f"{what} must be a Stats, got {type(stats).__name__}")
+        if stats.sumsq.shape not in shapes:
+            raise ValueError(f"{what} has shape {stats.sumsq.shape}, expected {' or '.join(map(str, sorted(shapes)))}")
+
+    # --- what is read from them ---------------------------------------------------------------
+
+    def tensors(self) -> dict[str, TensorSummary]:
+        """Each parameter's summary, by name, in layout order."""
+        acc = self.accumulated
+        norms = np.sqrt(acc.sumsq.sum(axis=0))
+        nonfinite, maxabs = acc.nonfinite.sum(axis=0), acc.maxabs.max(axis=0)
+        micro = np.sqrt(self.micro.sumsq.sum(axis=0)) if self.micro is not None else None  # [M, T]
+        return {name: TensorSummary(name, self.layers[t], float(norms[t]), int(nonfinite[t]), float(maxabs[t]),
+                                    None if micro is None else tuple(float(x) for x in micro[:, t]))
+                for t, name in enumerate(self.names)}
+
+    def layer_summaries(self) -> dict[int, Summary]:
+        """Each layer's summary (-1: the non-block tensors), in layout order."""
+        starts = [0] + [t for t in range(1, len(self.layers)) if self.layers[t] != self.layers[t - 1]]
+        return {self.layers[s]: self._summary(s, e) for s, e in zip(starts, starts[1:] + [len(self.layers)])}
+
+    def summary(self) -> Summary:
+        """The whole model's summary."""
+        return self._summary(0, len(self.names))
+
+    def first_nonfinite(self) -> NonFiniteReport | None:
+        """Where the step first went non-finite (:mod:`lowgrad.diagnostics.nonfinite`), or None."""
+        return first_nonfinite(self.step, self.names, self.layers, self.micro_steps,
+                               None if self.local is None else self.local.nonfinite,
+                               None if self.micro is None else self.micro.nonfinite, self.accumulated.nonfinite)
+
+    def _summary(self, start: int, end: int) -> Summary:
+        """The tensors ``start:end`` as one group."""
+        acc = self.accumulated
+        total = float(acc.sumsq[:, start:end].sum())
+        noise = noise_local = None
+        if self.micro is not None:
+            noise = from_contributions(self.micro.sumsq[..., start:end].sum(axis=(0, 2)), self.micro_steps,
+                                       self.micro_batch, total, self.step_batch)
+        if self.local is not None:  # each rank's local gradient is its own small batch: no sum over ranks
+            local = self.local.sumsq[..., start:end].sum(axis=2)
+            noise_local = from_contributions(local, local.shape[1], self.local_batch, total, self.step_batch)
+        return Summary(float(np.sqrt(total)), int(acc.nonfinite[:, start:end].sum()),
+                       float(acc.maxabs[:, start:end].max()), noise, noise_local)
