@@ -426,6 +426,20 @@ def _check_max_norm(max_norm: Any) -> float:
 NONFINITE_POLICIES = ("skip", "raise")
 
 
+def _buckets(sizes: list[int], capacity: int) -> list[list[tuple[int, int]]]:
+    """``(index, offset)`` of each size, packed in order into buckets of ``capacity`` elements
+    (each size fits one: ``capacity`` is at least the largest)."""
+    buckets: list[list[tuple[int, int]]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        if used + n > capacity and buckets[-1]:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((i, used))
+        used += n
+    return buckets
+
+
 class ShardOptimizer:
     """A PyTorch optimizer over this rank's gradient shards (ZeRO-2): after each completed step,
     :meth:`step` hands the shards to ``optimizer_cls`` as the gradients of this rank's slices of
@@ -462,9 +476,13 @@ class ShardOptimizer:
         #: the global gradient norm of the last step (finite or not)
         self.last_norm = math.nan
         self._stepped: int | None = None  # the manager's step count when step() last ran
+        # the all-gather after each step: parameters packed in order into buckets of the biggest
+        # parameter's size, each bucket one grouped NCCL launch (not one launch per parameter)
         biggest = max(p.numel() for p in self._module_params)
+        self._buckets = _buckets([p.numel() for p in self._module_params], biggest)
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
             if self.world > 1 else None
+        self._gather_event = attached.device.event(name="lowgrad_torch_gather") if self.world > 1 else None
 
     def _rows(self, p: torch.Tensor) -> torch.Tensor:
         per = p.shape[0] // self.world
@@ -514,19 +532,28 @@ class ShardOptimizer:
             if self.master_weights:
                 torch._foreach_copy_(self._module_rows, self.params)
             if self._gather is not None:
-                for module_param in self._module_params:
-                    self._all_gather(module_param)
+                for bucket in self._buckets:
+                    self._all_gather([(self._module_params[i], offset) for i, offset in bucket])
         return True
 
-    def _all_gather(self, p: torch.Tensor) -> None:
-        """Every rank's updated rows of ``p`` into every rank's ``p`` (through one lowgrad buffer)."""
-        n = p.numel()
-        buf = self._gather.view(0, n)  # type: ignore[union-attr]
-        full = self.attached.view(buf).view(p.shape)
-        own = self._rows(full)
-        own.copy_(self._rows(p))
-        self.attached.gm.comm.all_gather(buf, stream=self.attached.current_stream())
-        p.detach().copy_(full)
+    def _all_gather(self, bucket: list[tuple[torch.Tensor, int]]) -> None:
+        """Every rank's updated rows of the bucket's parameters into every rank's parameters:
+        each packed at its offset of the gather buffer, all gathered in place in one group."""
+        att, gather = self.attached, self._gather
+        assert gather is not None
+        bufs, fulls = [], []
+        for p, offset in bucket:
+            buf = gather.view(offset, p.numel())
+            full = att.view(buf).view(p.shape)
+            self._rows(full).copy_(self._rows(p))
+            bufs.append(buf)
+            fulls.append(full)
+        comm, stream = att.gm.comm, att.current_stream()
+        with comm.group(stream, event=self._gather_event):
+            for buf in bufs:
+                comm.all_gather(buf, stream=stream)
+        for (p, _), full in zip(bucket, fulls):
+            p.detach().copy_(full)
 
     def close(self) -> None:
         if self._gather is not None:
