@@ -1,0 +1,102 @@
+"""tools/grad_report.py on a synthetic gradient log: the table, the JSON, the PNGs where matplotlib
+is installed (the README's test command does not install it: there the PNG test skips) and the
+line that names the plot extra where it is not, and one line for a log it cannot read."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowgrad.diagnostics.log import StepLog
+from lowgrad.diagnostics.report import Stats, StepStats
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = str(REPO / "tools" / "grad_report.py")
+W, M, B, D = 2, 4, 8, 64
+NAMES, LAYERS = ["embed", "layers.0.w", "layers.1.w"], [-1, 0, 1]
+
+
+def _stats(x: np.ndarray) -> Stats:
+    """Stats of the three tensors (D values each) of gradients ``x`` [..., 3 D]."""
+    t = x.reshape(*x.shape[:-1], 3, D)
+    bad = ~np.isfinite(t)
+    return Stats((t ** 2).sum(-1), bad.sum(-1), np.where(bad, 0, np.abs(t)).max(-1))
+
+
+def write_log(path: Path, steps: int = 40, bad_step: int = 23) -> None:
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=3 * D) * 0.05
+    with StepLog(path, rank=0) as log:
+        for n in range(steps):
+            local = (g + rng.normal(size=(W, M, 3 * D)) / np.sqrt(B)) / M
+            if n == bad_step:
+                local[1, 2, D + 5] = np.nan
+            micro = local.mean(axis=0)
+            parts = np.zeros((W, 3 * D))
+            parts[0, : 3 * D // 2] = micro.sum(0)[: 3 * D // 2]
+            parts[1, 3 * D // 2:] = micro.sum(0)[3 * D // 2:]
+            mparts = np.zeros((W, M, 3 * D))
+            mparts[0, :, : 3 * D // 2] = micro[:, : 3 * D // 2]
+            mparts[1, :, 3 * D // 2:] = micro[:, 3 * D // 2:]
+            st = StepStats(names=NAMES, layers=LAYERS, accumulated=_stats(parts), micro=_stats(mparts),
+                           local=_stats(local), micro_batch=B * W, local_batch=B, step_batch=B * W * M, step=100 + n,
+                           rank=0, world=W, micro_steps=M)
+            log.record(st, skipped=n == bad_step)
+
+
+def run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if k != "OUT"}
+    e.update(env)
+    return subprocess.run([sys.executable, TOOL, *args], cwd=cwd, env=e, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_table_and_json(tmp_path: Path) -> None:
+    write_log(tmp_path / "grad.jsonl")
+    fake = tmp_path / "fake" / "matplotlib"  # as on an install without the plot extra
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib (stand-in)')\n")
+    proc = run(["--log", "grad.jsonl", "--rows", "5"], tmp_path, PYTHONPATH=str(fake.parent))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("40 steps (100..139) from grad.jsonl: world 2, 4 micro-steps, 1 skipped")
+    assert "non-finite steps: 1\n  step 123 skipped: layers.0.w non-finite at micro-step 2 on rank 1, 1 value" in out
+    noise_rows = out.split("from the local gradients\n")[1].split("\n\n")[0].splitlines()[1:]
+    assert [int(r.split()[0]) for r in noise_rows] == [100, 110, 120, 129, 139]
+    layer_rows = out.split("(-1: the non-block tensors)\n")[1].split("\n\n")[0].splitlines()[1:]
+    assert [r.split()[0] for r in layer_rows] == ["-1", "0", "1"]
+    report = json.loads((tmp_path / "grad_report" / "grad_report.json").read_text())
+    assert report["steps"] == list(range(100, 140)) and report["layers"]["0"]["norms"][23] is None
+    assert report["nonfinite"][0]["step"] == 123 and report["nonfinite"][0]["values"] == 1
+    ema = [n["ema"] for n in report["noise"] if n["ema"] is not None]
+    assert len(ema) == 39 and all(e > 0 for e in ema)
+    assert proc.stderr == ('grad_report: no PNGs: plots need matplotlib: pip install ".[plot]" '
+                           '(or pip install matplotlib)\n')
+    assert not list((tmp_path / "grad_report").glob("*.png"))
+
+
+def test_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "grad.jsonl")
+    out = tmp_path / "out"
+    proc = run(["--log", str(tmp_path / "grad.jsonl")], tmp_path, OUT=str(out))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    for name in ("grad_report.json", "layer_norms.png", "noise_scale.png", "nonfinite.png"):
+        assert (out / name).read_bytes()[:8] == (b"\x89PNG\r\n\x1a\n" if name.endswith(".png") else b"{\n \"step")
+        assert f"wrote {out / name}" in proc.stdout
+
+
+@pytest.mark.parametrize("text,why", [(None, "No such file"), ("", "no steps in it"), ("x\n", ":1: not JSON"),
+                                      ('{"format": 1, "step": 3}\n', "a line lacks what the format has")])
+def test_a_log_it_cannot_read_is_one_line(tmp_path: Path, text: str | None, why: str) -> None:
+    if text is not None:
+        (tmp_path / "grad.jsonl").write_text(text)
+    proc = run(["--log", "grad.jsonl"], tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("grad_report: --log grad.jsonl: ")
+    assert why in lines[0] and not (tmp_path / "grad_report").exists()
