@@ -25,7 +25,7 @@ import pytest
 import lowgrad as lg
 from lowgrad.cuda import loopback
 from lowgrad.cuda.compiler import constants
-from lowgrad.host.collective import host_reduce
+from lowgrad.host.reduce import host_reduce
 from lowgrad.host.device import HostDevice
 from lowgrad.host.kernels import HostKernels
 

@@ -11,15 +11,15 @@ import time
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.rendezvous import launcher_env
-from lowgrad.core.tcp_rendezvous import exchange_unique_id
+from lowgrad.launch.rendezvous import launcher_env
+from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from lowgrad.core.tcp_rendezvous import exchange_unique_id
+from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 uid = bytes(range(128)) if rank == 0 else None
 try:

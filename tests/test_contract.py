@@ -1,4 +1,4 @@
-"""The written backend contract (lowgrad.core.backend, lowgrad.core.collective) on the host:
+"""The written backend contract (lowgrad.core.backend, lowgrad.core.communicator) on the host:
 both backends implement every abstract method, streams and events satisfy one protocol, stream
 priorities and capture lookup exist on both, DLPack/CAI follow the allocation's reported access
 (not the backend's name), and the manager's state modules (protocol, replay, state) on their own.
@@ -15,7 +15,7 @@ from test_managers import drive, small_layout
 import lowgrad as lg
 from lowgrad.core import dlpack
 from lowgrad.core.backend import DeviceBase, Event, Stream
-from lowgrad.core.collective import CommBase
+from lowgrad.core.communicator import CommBase
 from lowgrad.core.memory import KIND_ACCESS, KINDS, RawBlock, aligned_host_buffer
 from lowgrad.cuda.communicator import Communicator
 from lowgrad.cuda.device import Device
@@ -29,7 +29,7 @@ from lowgrad.managers.state import ManagerState
 DEVICE_CONTRACT = {"activate", "synchronize", "stream", "event", "stream_priority_range", "capture_of", "kernels",
                    "memory_limit", "_raw_alloc", "_wrap_stream", "_copy", "copy_to_host", "copy_from_host"}
 COMM_CONTRACT = {"reduce_scatter", "all_gather", "all_reduce", "send", "recv", "all_to_all_many", "barrier", "wait",
-                 "host_allgather", "abort", "close", "_group_begin", "_group_end"}
+                 "host_allgather", "abort", "close", "_group_begin", "_group_close"}
 
 
 def _members(proto: type) -> set[str]:
@@ -49,6 +49,19 @@ def test_both_communicators_implement_the_whole_comm_contract(cls: type) -> None
     assert COMM_CONTRACT <= CommBase.__abstractmethods__
     assert not inspect.isabstract(cls)
     assert cls.group is CommBase.group and cls.all_to_all is CommBase.all_to_all  # written once
+
+
+def test_the_cuda_communicators_share_one_half() -> None:
+    """NCCL's and the loopback's wait, host_allgather, stream choice and end of group are written
+    once (lowgrad.cuda.gpu_comm, lowgrad.core.communicator); each backend fills only the hooks."""
+    from lowgrad.cuda.gpu_comm import GpuCommBase
+    from lowgrad.cuda.loopback import LoopbackCommunicator
+    for cls in (Communicator, LoopbackCommunicator):
+        assert not inspect.isabstract(cls)
+        for name in ("wait", "host_allgather", "_stream", "_poll", "_group_end"):
+            assert all(name not in vars(c) for c in cls.__mro__[:cls.__mro__.index(GpuCommBase)]), (cls, name)
+        for name in ("_watch", "_failure", "_host_buffer", "_host_gather", "_group_close"):
+            assert name in vars(cls), (cls, name)
 
 
 def test_communicators_say_whether_they_meet_their_peers_on_the_host() -> None:

@@ -171,13 +171,21 @@ def test_run_threads_matches_host_backend():
 
 def test_run_threads_cuda_rank_failure_aborts_others():
     world = lg.device_count()
+    seen = {}
 
     def fn(c):
         if c.rank == world - 1:
             raise RuntimeError("rank failure")
-        c.barrier()
+        try:
+            c.barrier()
+        except lg.CommAbortedError as exc:
+            seen[c.rank] = str(exc)
+            raise
 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="rank failure"):
         lg.run_threads(world, fn, backend="cuda", timeout=60)
     assert time.monotonic() - t0 < 30
+    # the peers hear which rank failed and why, as on the host backend and the loopback
+    assert seen == {r: f"rank {world - 1} failed: RuntimeError: rank failure; the communicator was aborted"
+                    for r in range(world - 1)}

@@ -12,7 +12,7 @@ from loopback_sim import SimDevice, patch
 
 import lowgrad as lg
 from lowgrad.core.integers import integer
-from lowgrad.core.tcp_rendezvous import exchange_unique_id
+from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 from lowgrad.core.threads import ThreadCollective
 from lowgrad.cuda import loopback
 

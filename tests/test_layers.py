@@ -1,6 +1,7 @@
 """The package's folders are its layers; this test holds the import rules.
 
-``core`` < ``sr`` < (``ops`` | ``cuda`` | ``host``) < (``bootstrap`` | ``managers``) < (``cli`` | ``torch``):
+``core`` < (``sr`` | ``diagnostics``) < (``ops`` | ``cuda`` | ``host``) < (``launch`` | ``managers``) <
+(``cli`` | ``torch``):
 a module may import its own layer and the layers its row allows, nothing else (imports inside
 functions and under ``TYPE_CHECKING`` count too), and the module graph has no cycles.
 """
@@ -18,9 +19,10 @@ ALLOWED: dict[str, set[str]] = {
     "cuda": {"core", "sr", "cuda"},
     "host": {"core", "sr", "host"},
     "managers": {"core", "sr", "ops", "managers"},
-    "bootstrap": {"core", "sr", "cuda", "host"},
-    "cli": {"core", "sr", "ops", "cuda", "host", "managers", "bootstrap", "cli"},
-    "torch": {"core", "sr", "ops", "managers", "torch"},  # the PyTorch adapter (imports torch)
+    "launch": {"core", "sr", "cuda", "host", "launch"},  # starting ranks: the one layer that picks a backend
+    "diagnostics": {"core", "diagnostics"},
+    "cli": {"core", "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "cli"},
+    "torch": {"core", "sr", "ops", "managers", "diagnostics", "torch"},  # the PyTorch adapter (imports torch)
 }
 TOP = {"__init__", "__main__"}  # the public front: may import anything
 

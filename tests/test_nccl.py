@@ -64,7 +64,7 @@ def test_bad_library_path_gives_clear_error(tmp_path):
 
 
 def test_import_does_not_load_the_library():
-    code = ("import lowgrad, lowgrad.cuda.nccl as n, lowgrad.cuda.communicator, lowgrad.bootstrap\n"
+    code = ("import lowgrad, lowgrad.cuda.nccl as n, lowgrad.cuda.communicator, lowgrad.launch.bootstrap\n"
             "print(n._lib is None)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from lowgrad.core import tcp_rendezvous as tcp
-from lowgrad.core.rendezvous import unique_id_from_env
-from lowgrad.core.tcp_rendezvous import MAX_HOST_BYTES, check_host, exchange_unique_id
+from lowgrad.launch import tcp_rendezvous as tcp
+from lowgrad.launch.rendezvous import unique_id_from_env
+from lowgrad.launch.tcp_rendezvous import MAX_HOST_BYTES, check_host, exchange_unique_id
 
 UID = bytes(range(128))
 SECRET = b"\xffhunter2\xfe"

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from lowgrad.core import tcp_rendezvous as tcp
+from lowgrad.launch import tcp_rendezvous as tcp
 from lowgrad.core.errors import CommTimeoutError
-from lowgrad.core.rendezvous import unique_id_from_env
-from lowgrad.core.tcp_rendezvous import exchange_unique_id
+from lowgrad.launch.rendezvous import unique_id_from_env
+from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UID = bytes(range(128))
@@ -397,7 +397,7 @@ def test_master_endpoint_checks():
 SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from lowgrad.core.rendezvous import unique_id_from_env
+from lowgrad.launch.rendezvous import unique_id_from_env
 try:
     print("OK", unique_id_from_env(lambda: bytes(range(128)), timeout=20).hex())
 except Exception as e:

@@ -260,7 +260,7 @@ def _kernel_smoke() -> str:
 def _nccl_world1() -> str:
     import numpy as np
 
-    from lowgrad.bootstrap import run_threads
+    from lowgrad.launch.bootstrap import run_threads
     from lowgrad.core.tensor import from_numpy
 
     def job(comm: object) -> float:

@@ -1,7 +1,8 @@
 """Ranks as threads of one process: :class:`ThreadCollective`, the rendezvous and mailboxes the
-``world`` threads of one group share. The host backend's communicator exchanges its data through
-it; the CUDA loopback communicator uses it so that ranks on one GPU queue a collective only once
-every rank has called it.
+``world`` threads of one group share, and :class:`AbortEvent`, the flag with which
+:func:`~lowgrad.run_threads` tells ranks that share nothing else (NCCL's) which rank failed. The
+host backend's communicator exchanges its data through the collective; the CUDA loopback
+communicator uses it so that ranks on one GPU queue a collective only once every rank has called it.
 
 Failures never hang: an abort wakes every waiting rank with
 :class:`~lowgrad.core.errors.CommAbortedError`; a rank that left makes every rank that waits for
@@ -16,9 +17,9 @@ import time
 from collections import deque
 from typing import Any
 
-from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout, wait_slice
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.integers import integer
+from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout, wait_slice
 
 _MISSING = object()
 
@@ -117,6 +118,17 @@ class ThreadCollective:
                 del self._slots[seq]
             return items
 
+    def agree(self, rank: int, signature: Any, timeout: float, payload: Any = None) -> list[Any]:
+        """:meth:`exchange` ``payload`` and return every rank's in rank order, once every rank's
+        ``signature`` (what it is calling: call, dtype, elements, op) was compared: when they
+        differ, every rank raises the same ValueError (so nothing is queued on any rank)."""
+        items = self.exchange(rank, (signature, payload), timeout)
+        if any(sig != items[0][0] for sig, _ in items):
+            desc = "; ".join(f"rank {r}: {sig}" for r, (sig, _) in enumerate(items))
+            raise ValueError(f"thread collective: ranks disagree on a collective (call, dtype, elements, op): {desc}; "
+                             "ranks must make the same calls in the same order")
+        return [p for _, p in items]
+
     def post(self, src: int, dst: int, tag: str, item: Any) -> None:
         """Queue ``item`` from ``src`` for ``dst`` (never blocks)."""
         with self._cv:
@@ -141,6 +153,24 @@ class ThreadCollective:
                                f"from rank {src}; aborted")
                 self._cv.wait(wait_slice(left))
             return q.popleft()
+
+
+class AbortEvent(threading.Event):
+    """A ``threading.Event`` that keeps why it was set. :func:`~lowgrad.run_threads` hands it to
+    NCCL communicators, which share no collective that could carry the reason: a rank watching it
+    raises CommAbortedError with the reason of the first :meth:`abort` (the failure that started it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reason_lock = threading.Lock()
+        self.reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Set the event; the first reason given stays."""
+        with self._reason_lock:
+            if self.reason is None:
+                self.reason = reason
+        self.set()
 
 
 def _missing(items: list[Any]) -> list[int]:

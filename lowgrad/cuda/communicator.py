@@ -18,36 +18,36 @@ hangs until a ``wait`` times out). The host backend checks it.
 A rank that leaves (:meth:`Communicator.close`) cannot tell its peers: NCCL has no side channel
 for it. A peer still waiting for a collective the departed rank never issued raises
 CommTimeoutError after its ``timeout`` (or CommAbortedError at once when its ``abort_event`` is
-set, as :func:`~lowgrad.run_threads` does when a rank fails). A ``timeout`` of ``inf`` removes
+set, as :func:`~lowgrad.run_threads` does when a rank fails: then with the reason it was given,
+``rank 1 failed: RuntimeError: boom; the communicator was aborted``). A ``timeout`` of ``inf`` removes
 that bound: use it only when something else watches the job.
 """
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import numpy as np
-
 from lowgrad.core import capture, release
-from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
+from lowgrad.core.communicator import Group, all_to_all_schedule
 from lowgrad.core.dtypes import byte, fp8_e4m3
-from lowgrad.core.errors import CommAbortedError, CommTimeoutError, NcclError
-from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.core.errors import CommAbortedError, NcclError
+from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
+from lowgrad.core.threads import AbortEvent
 from lowgrad.cuda import nccl
+from lowgrad.cuda.gpu_comm import GpuCommBase
 
-_POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls (doubling)
 
-
-class Communicator(CommBase):
+class Communicator(GpuCommBase):
     """Rank ``rank`` of ``world`` on ``device`` (a :class:`lowgrad.Device`), joined by every rank
     passing the same 128-byte ``unique_id`` (:func:`lowgrad.cuda.nccl.unique_id` on one rank).
 
     ``timeout`` (seconds, ``inf`` for no limit) bounds initialisation, the polling of in-progress NCCL calls and
     :meth:`wait`. Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a
-    pending initialisation or wait (``run_threads`` uses it when another rank fails).
+    pending initialisation or wait (``run_threads`` uses it when another rank fails; an
+    :class:`~lowgrad.core.threads.AbortEvent` also gives the reason every later call raises).
     """
 
     def __init__(self, rank: int, world: int, unique_id: bytes, device: Any, timeout: float | None = None,
@@ -83,11 +83,6 @@ class Communicator(CommBase):
             raise TypeError(f"{call}: fp8_e4m3 needs NCCL >= 2.24, loaded {nccl.version()}")
         capture.keep_tensors(t)  # a graph being captured holds the buffers its NCCL calls use
 
-    def _stream(self, stream: StreamLike) -> int:
-        if stream is None and self._group is not None:
-            return self._group.stream.handle
-        return stream_handle(stream)
-
     def _fail(self, exc: Exception) -> Exception:
         self.abort()
         return exc
@@ -95,32 +90,32 @@ class Communicator(CommBase):
     def _settle(self, call: str, rc: int, timeout: float) -> None:
         """After a call returned ncclInProgress: poll until NCCL has taken it (or fail)."""
         if rc == nccl.IN_PROGRESS:
-            self._poll(call, timeout, lambda state: state == nccl.SUCCESS)
+            self._poll(call, timeout, lambda: self._async_state(call) == nccl.SUCCESS)
 
-    def _poll(self, call: str, limit: float, done: Any) -> None:
-        """Poll ``ncclCommGetAsyncError`` until ``done(state)``; an NCCL error, an abort or
-        ``limit`` seconds passing aborts the communicator and raises."""
-        deadline, pause = time.monotonic() + limit, _POLL_MIN
-        while True:
-            self._check_abort_event(call)
-            with self._lock:
-                if self._state != "open":
-                    raise CommAbortedError(f"{call}: communicator rank {self.rank} was aborted")
-                state = nccl.comm_get_async_error(self.handle)
-            if state not in (nccl.SUCCESS, nccl.IN_PROGRESS):
-                raise self._fail(nccl.error(call, state, self.handle))
-            if done(state):
-                return
-            if time.monotonic() > deadline:
-                raise self._fail(CommTimeoutError(f"{call}: rank {self.rank} of {self.world} did not complete "
-                                                  f"within {limit:g} s; communicator aborted"))
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
+    def _async_state(self, call: str) -> int:
+        """``ncclCommGetAsyncError`` of the open communicator (an NCCL error aborts and raises)."""
+        self._check_abort_event(call)
+        with self._lock:  # abort() from another thread may release the handle
+            if self._state != "open":
+                raise self._failure() or CommAbortedError(f"{call}: communicator rank {self.rank} was aborted")
+            state = nccl.comm_get_async_error(self.handle)
+        if state not in (nccl.SUCCESS, nccl.IN_PROGRESS):
+            raise self._fail(nccl.error(call, state, self.handle))
+        return state
+
+    def _watch(self, call: str) -> None:
+        self._async_state(call)
+
+    def _failure(self) -> Exception | None:
+        ev = self._abort_event
+        reason = ev.reason if isinstance(ev, AbortEvent) else None
+        return None if reason is None else CommAbortedError(reason)
 
     def _check_abort_event(self, call: str) -> None:
         if self._abort_event is not None and self._abort_event.is_set():
             self.abort()
-            raise CommAbortedError(f"{call}: communicator rank {self.rank} aborted (another rank failed)")
+            raise self._failure() or CommAbortedError(f"{call}: communicator rank {self.rank} aborted (another rank "
+                                                      "failed)")
 
     def _issue(self, call: str, rc: int) -> None:
         if self._group is not None:
@@ -207,16 +202,11 @@ class Communicator(CommBase):
             self._group, self._group_depth = None, 0
             raise
 
-    def _group_end(self, g: Group, failed: bool) -> None:
-        self._group, self._group_depth = None, 0
+    def _group_close(self, g: Group, failed: bool) -> None:
         with self._lock:
             rc = nccl.group_end()
-        if failed:
-            if g.scheduled:
-                self.abort()
-            return
-        self._settle("ncclGroupEnd", rc, self.timeout)
-        g.event.record(g.stream)
+        if not failed:
+            self._settle("ncclGroupEnd", rc, self.timeout)
 
     # ---- host-side helpers (blocking) --------------------------------------------------
     def _scratch(self, name: str, nbytes: int) -> Tensor:
@@ -227,26 +217,14 @@ class Communicator(CommBase):
             t = self._tmp[name] = self.device.alloc((max(nbytes, 256),), byte, name=f"comm_{name}")
         return t
 
-    def _host_allgather_fixed(self, name: str, data: bytes, size: int) -> list[bytes]:
-        buf = self._scratch(name, size * self.world).view(0, size * self.world)
-        host = np.zeros(size * self.world, np.uint8)
-        host[self.rank * size:self.rank * size + len(data)] = np.frombuffer(data, np.uint8)
-        self.device.copy_from_host(buf, host)
+    def _host_buffer(self, name: str, nbytes: int) -> AbstractContextManager[Tensor]:
+        """Kept between calls (a cudaFree would synchronize the device), freed by close/abort."""
+        return nullcontext(self._scratch(name, nbytes).view(0, nbytes))
+
+    def _host_gather(self, buf: Tensor) -> None:
+        """On the legacy stream, which orders it after every blocking stream's work."""
         self.all_gather(buf, stream=0)
         self.wait(0)
-        out = buf.numpy().tobytes()
-        return [out[r * size:(r + 1) * size] for r in range(self.world)]
-
-    def host_allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` in rank order, on every rank (two NCCL all-gathers on the
-        legacy stream through a device buffer; blocking, bounded by ``timeout``)."""
-        self._check_open("host_allgather")
-        self._check_not_grouped("host_allgather")
-        data = self._check_bytes("host_allgather", data)
-        lens = self._host_allgather_fixed("lengths", len(data).to_bytes(8, "little"), 8)
-        sizes = [int.from_bytes(x, "little") for x in lens]
-        blobs = self._host_allgather_fixed("blobs", data, max(max(sizes), 1))
-        return [b[:n] for b, n in zip(blobs, sizes)]
 
     def barrier(self) -> None:
         """Return once every rank has reached the barrier (an all-reduce and a wait)."""
@@ -255,19 +233,6 @@ class Communicator(CommBase):
         t = self._scratch("barrier", 4).view(0, 4)
         self.all_reduce(t, "max", stream=0)
         self.wait(0)
-
-    def wait(self, what: Any = None, timeout: float | None = None) -> None:
-        """Block until ``what`` (an Event, a Stream, a raw stream handle, or None for the
-        default stream) has completed, polling ``ncclCommGetAsyncError``. An asynchronous NCCL
-        error raises NcclError, ``timeout`` (seconds, ``inf`` for no limit; default: the
-        communicator's) CommTimeoutError; both abort the communicator first. An ``abort()``
-        from another thread raises CommAbortedError here."""
-        limit = check_timeout(timeout, self.timeout)
-        self._check_open("wait")
-        capture.forbid("Communicator.wait (a host sync)")
-        self.device.activate()
-        target = what if hasattr(what, "query") else self.device.resolve_stream(what)
-        self._poll("wait", limit, lambda state: target.query())
 
     # ---- lifetime ----------------------------------------------------------------------
     def _live(self, call: str) -> None:

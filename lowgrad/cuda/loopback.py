@@ -37,7 +37,7 @@ Reductions (the one order, so results equal the host backend's bit for bit): the
 values are combined in rank order 0, 1, .., world-1 in float32 (float64 for fp64), ``avg``
 multiplies that sum by ``float32(1/world)``, and the result is rounded once to the tensor's
 dtype (round to nearest even); byte tensors wrap as uint8 (``avg``: integer division). This is
-:func:`lowgrad.host.collective.host_reduce`, computed on the GPU.
+:func:`lowgrad.host.reduce.host_reduce`, computed on the GPU.
 
 Failures surface in bounded time: the threads' meeting and each device-side wait last at most
 ``timeout`` seconds (then CommTimeoutError naming the missing rank), and stop at once when a
@@ -55,22 +55,24 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, closing
 from typing import Any
 
 import numpy as np
 
 from lowgrad.core import capture, trace
-from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
+from lowgrad.core.communicator import Group, all_to_all_schedule
 from lowgrad.core.dtypes import bf16, byte, fp16, fp32, fp64
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.core.threads import ThreadCollective
+from lowgrad.core.timeouts import check_timeout
 from lowgrad.cuda import graph
 from lowgrad.cuda.compiler import constants, kernel
+from lowgrad.cuda.gpu_comm import GpuCommBase
 from lowgrad.cuda.kernels import Kernel
 
 _C = constants("loopback")
@@ -82,7 +84,6 @@ _ERRORS = {_C["LB_ERR_TIMEOUT"]: (CommTimeoutError, "timed out waiting for rank 
            _C["LB_ERR_ABORTED"]: (CommAbortedError, "stopped: the communicator was aborted"),
            _C["LB_ERR_LEFT"]: (CommAbortedError, "stopped: rank {peer} left the communicator (close())")}
 _Item = tuple[tuple[Any, ...], int, Callable[[int], None]]  # a queued collective: (signature, caller stream, work)
-_POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls of wait() (doubling)
 
 
 def hardware_queues() -> int:
@@ -134,16 +135,13 @@ class LoopbackGroup:
     def agree(self, rank: int, signature: Any, timeout: float) -> None:
         """Block until every rank has called its next collective (or replay); ValueError on
         every rank when their ``signature`` differ (nothing is queued then). After queuing its
-        part, each rank calls it again with ``None`` (every rank has queued)."""
+        part, each rank calls it again with ``None`` (every rank has queued). A failed meeting
+        stops the device side too."""
         try:
-            items = self.meet.exchange(rank, signature, timeout)
+            self.meet.agree(rank, signature, timeout)
         except (CommAbortedError, CommTimeoutError):
             self.abort()
             raise
-        if any(it != items[0] for it in items):
-            desc = "; ".join(f"rank {r}: {it}" for r, it in enumerate(items))
-            raise ValueError(f"loopback: ranks disagree on a collective (call, dtype, elements, op): {desc}; ranks "
-                             "must make the same calls in the same order")
 
     def match(self, rank: int, plan: dict[int, Any], timeout: float, tag: str = "p2p") -> None:
         """Block until every peer of this rank's group of sends and receives has flushed its own;
@@ -188,12 +186,13 @@ class LoopbackGroup:
                    + f"; every rank's loopback work stops (seen by rank {rank})")
 
 
-class LoopbackCommunicator(CommBase):
+class LoopbackCommunicator(GpuCommBase):
     """Rank ``rank`` of ``group.world`` ranks sharing one GPU through ``group`` (a
     :class:`LoopbackGroup`); ``timeout`` (seconds, ``inf``: no limit; default the group's)
     bounds each device-side wait for a peer and :meth:`wait`."""
 
     meets_peers_on_host = True
+    _label = " (loopback)"
 
     def __init__(self, rank: int, group: LoopbackGroup, timeout: float | None = None) -> None:
         if not isinstance(group, LoopbackGroup):
@@ -221,24 +220,22 @@ class LoopbackCommunicator(CommBase):
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_open(self, call: str) -> None:
-        why = self.shared.meet.error() if self._state == "aborted" else None
-        if why is not None:  # the reason the group failed, not just "aborted"
-            raise why
         super()._check_open(call)
         err = self.shared.error(self.rank)
         if err is not None:
             self._state = "aborted"
             raise err
 
+    def _failure(self) -> Exception | None:
+        return self.shared.meet.error()
+
+    def _watch(self, call: str) -> None:
+        self._check_open(call)
+
     def _check_memory(self, call: str, t: Tensor) -> None:
         if t.kind not in self.device.kernel_kinds:
             raise ValueError(f"{call}: tensor {t.name!r} is {t.kind} memory, which the GPU cannot access")
         capture.keep_tensors(t)  # a graph being captured holds the buffers its kernels use
-
-    def _stream(self, stream: StreamLike) -> int:
-        if stream is None and self._group is not None:
-            return stream_handle(self._group.stream)
-        return stream_handle(stream)
 
     def _run(self, call: str, signature: tuple[Any, ...], h: int, work: Callable[[int], None],
              t: Tensor | None = None, count: int = 0, **fields: Any) -> None:
@@ -491,45 +488,29 @@ class LoopbackCommunicator(CommBase):
         self._group_open(g)
         self._queue = []
 
-    def _group_end(self, g: Group, failed: bool) -> None:
-        """Queue the group's collectives in call order (each one sync-work-sync), then record
-        ``g.event`` on the group's stream."""
-        queue, self._queue, self._group, self._group_depth = self._queue, [], None, 0
+    def _group_close(self, g: Group, failed: bool) -> None:
+        """Queue the group's collectives in call order (each one sync-work-sync), then its sends
+        and receives; the group's stream waits for them."""
+        queue, self._queue = self._queue, []
         if failed:
             self._p2p = []
-            if g.scheduled:
-                self.abort()
             return
         if queue:
             self._collectives(queue)
         self._flush_p2p()
         if g.scheduled:
             self._done.wait(g.stream)
-        g.event.record(g.stream)
 
     # ---- host-side helpers (blocking) --------------------------------------------------
-    def host_allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` in rank order, on every rank (through a device all-gather on
-        this rank's loopback stream; blocking, bounded by ``timeout``)."""
-        self._check_open("host_allgather")
-        self._check_not_grouped("host_allgather")
-        data = self._check_bytes("host_allgather", data)
-        sizes = [int.from_bytes(x, "little") for x in self._gather_fixed(len(data).to_bytes(8, "little"), 8)]
-        blobs = self._gather_fixed(data, max(max(sizes), 1))
-        return [b[:n] for b, n in zip(blobs, sizes)]
+    def _host_buffer(self, name: str, nbytes: int) -> AbstractContextManager[Tensor]:
+        """Allocated per call and freed by this rank's thread: abort() may come from another rank's
+        thread, which must not free memory this rank still copies into."""
+        return closing(self.device.alloc((nbytes,), byte, name="loopback_host_allgather"))
 
-    def _gather_fixed(self, data: bytes, size: int) -> list[bytes]:
-        buf = self.device.alloc((size * self.world,), byte, name="loopback_host_allgather")
-        try:
-            host = np.zeros(size * self.world, np.uint8)
-            host[self.rank * size:self.rank * size + len(data)] = np.frombuffer(data, np.uint8)
-            self.device.copy_from_host(buf, host)
-            self.all_gather(buf, stream=self._stream_h)
-            self.wait(self._done)
-            out = buf.numpy().tobytes()
-        finally:
-            buf.close()
-        return [out[r * size:(r + 1) * size] for r in range(self.world)]
+    def _host_gather(self, buf: Tensor) -> None:
+        """On this rank's loopback stream: the legacy stream would wait for the other ranks' streams."""
+        self.all_gather(buf, stream=self._stream_h)
+        self.wait(self._done)
 
     def barrier(self) -> None:
         """Return once every rank has reached the barrier (a device sync and a wait)."""
@@ -537,27 +518,6 @@ class LoopbackCommunicator(CommBase):
         self._check_not_grouped("barrier")
         self._run("barrier", (), self._stream_h, self._sync)
         self.wait(self._done)
-
-    def wait(self, what: Any = None, timeout: float | None = None) -> None:
-        """Block until ``what`` (an Event, a Stream, a raw stream handle, or None for the
-        default stream) has completed, watching the group's status: a device-side timeout, an
-        abort or a departed peer raise (CommTimeoutError / CommAbortedError); ``timeout``
-        seconds (default: the communicator's) passing aborts the group and raises."""
-        limit = check_timeout(timeout, self.timeout)
-        self._check_open("wait")
-        capture.forbid("LoopbackCommunicator.wait (a host sync)")
-        self.device.activate()
-        target = what if hasattr(what, "query") else self.device.resolve_stream(what)
-        deadline, pause = time.monotonic() + limit, _POLL_MIN
-        while not target.query():
-            self._check_open("wait")
-            if time.monotonic() > deadline:
-                self.abort()
-                raise CommTimeoutError(f"wait: rank {self.rank} of {self.world} (loopback) did not complete within "
-                                       f"{limit:g} s; communicator aborted")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
-        self._check_open("wait")
 
     # ---- lifetime ----------------------------------------------------------------------
     def abort(self) -> None:
@@ -580,12 +540,3 @@ class LoopbackCommunicator(CommBase):
                 self._state = "closed"
                 self.shared.leave(self.rank)
 
-
-def spin(device: Any, stream: StreamLike, ns: int) -> None:
-    """Keep ``stream`` busy on ``device`` for ``ns`` nanoseconds (one thread waiting on the GPU's
-    clock; asynchronous): a slow engine kernel for race hunting."""
-    ns = integer("spin: ns", ns)
-    if not 0 <= ns < 1 << 64:
-        raise ValueError(f"spin: ns must be an int in [0, 2**64), got {ns!r}")
-    k = device.kernels.kernel(kernel("loopback_delay"))
-    k.launch(1, stream_handle(stream), ns)

@@ -4,7 +4,7 @@ through a shared :class:`ThreadCollective` rendezvous, with the semantics of the
 
 Streams are eager: every call has completed when it returns (``group()`` runs its calls at
 exit, sends first, so grouped send/recv pairs cannot deadlock). Reductions follow
-:func:`~lowgrad.host.collective.host_reduce`.
+:func:`~lowgrad.host.reduce.host_reduce`.
 
 Failures never hang: a rank that raises or aborts wakes the others with
 :class:`~lowgrad.core.errors.CommAbortedError` saying which rank it was and, under
@@ -20,12 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowgrad.core import trace
-from lowgrad.core.collective import CommBase, Group, all_to_all_schedule, check_timeout
+from lowgrad.core.communicator import CommBase, Group, all_to_all_schedule
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.core.threads import ThreadCollective
-from lowgrad.host.collective import host_reduce
+from lowgrad.core.timeouts import check_timeout
 from lowgrad.host.device import HostDevice
+from lowgrad.host.reduce import host_reduce
 
 
 class HostCommunicator(CommBase):
@@ -63,15 +64,6 @@ class HostCommunicator(CommBase):
         else:
             fn()
 
-    def _agree(self, call: str, meta: tuple[Any, ...], payload: Any) -> list[Any]:
-        """Exchange ``payload``; every rank raises the same ValueError when ranks' ``meta`` differ."""
-        items = self.collective.exchange(self.rank, (call, meta, payload), self.timeout)
-        first = items[0][:2]
-        if any(it[:2] != first for it in items):
-            desc = "; ".join(f"rank {r}: {c}{m}" for r, (c, m, _) in enumerate(items))
-            raise ValueError(f"host collective: ranks disagree (call(dtype, elements, op)): {desc}")
-        return [it[2] for it in items]
-
     def _trace(self, call: str, t: Tensor, count: int, stream: int, **fields: Any) -> None:
         """The trace line of a collective on ``t``: ``count`` elements per rank, as NCCL's lines."""
         trace.log("collective", call, rank=self.rank, tensor=t.name, count=count, dtype=t.dtype.name,
@@ -91,7 +83,8 @@ class HostCommunicator(CommBase):
 
         def run() -> None:
             flat = t.numpy().reshape(-1)
-            views = self._agree("reduce_scatter", (t.dtype.name, t.numel, op), flat)
+            views = self.collective.agree(self.rank, ("reduce_scatter", t.dtype.name, t.numel, op), self.timeout,
+                                          flat)
             sl = slice(self.rank * count, (self.rank + 1) * count)
             flat[sl] = host_reduce([v[sl] for v in views], op, self.world, t.dtype)
             self._sync()  # peers have read their slices of this buffer
@@ -106,7 +99,8 @@ class HostCommunicator(CommBase):
             self._trace("all_gather", shard, shard.numel, h)
 
         def run() -> None:
-            views = self._agree("all_gather", (shard.dtype.name, shard.numel, None), shard.numpy().reshape(-1))
+            views = self.collective.agree(self.rank, ("all_gather", shard.dtype.name, shard.numel), self.timeout,
+                                          shard.numpy().reshape(-1))
             f, n = full.numpy().reshape(-1), shard.numel
             for k, v in enumerate(views):
                 if k != self.rank or out is not None:
@@ -123,7 +117,7 @@ class HostCommunicator(CommBase):
 
         def run() -> None:
             flat = t.numpy().reshape(-1)
-            views = self._agree("all_reduce", (t.dtype.name, t.numel, op), flat)
+            views = self.collective.agree(self.rank, ("all_reduce", t.dtype.name, t.numel, op), self.timeout, flat)
             res = host_reduce(views, op, self.world, t.dtype)
             self._sync()  # every rank has read the inputs before any overwrites its own
             flat[:] = res
@@ -162,7 +156,7 @@ class HostCommunicator(CommBase):
             for t, n in zip(tensors, ns):
                 self._trace("all_to_all", t, n, h)
         flats = [t.numpy().reshape(-1) for t in tensors]
-        self._agree("all_to_all", tuple((t.dtype.name, t.numel) for t in tensors), None)
+        self.collective.agree(self.rank, ("all_to_all", *((t.dtype.name, t.numel) for t in tensors)), self.timeout)
         for send_peer, send_slot, recv_peer, recv_slot in all_to_all_schedule(self.rank, self.world):
             for flat, n in zip(flats, ns):
                 self.collective.post(self.rank, send_peer, "a2a", flat[send_slot * n:(send_slot + 1) * n].copy())
@@ -174,13 +168,14 @@ class HostCommunicator(CommBase):
         """Every rank's ``data`` in rank order, on every rank."""
         self._check_open("host_allgather")
         self._check_not_grouped("host_allgather")
-        return self._agree("host_allgather", (), self._check_bytes("host_allgather", data))
+        return self.collective.agree(self.rank, ("host_allgather",), self.timeout,
+                                     self._check_bytes("host_allgather", data))
 
     def barrier(self) -> None:
         """Return once every rank has called barrier."""
         self._check_open("barrier")
         self._check_not_grouped("barrier")
-        self._agree("barrier", (), None)
+        self.collective.agree(self.rank, ("barrier",), self.timeout)
 
     def wait(self, what: Any = None, timeout: float | None = None) -> None:
         """Host work is complete when queued; raises if the communicator was aborted (``timeout``
@@ -193,17 +188,13 @@ class HostCommunicator(CommBase):
         self._group_open(g)
         self._queue = []
 
-    def _group_end(self, g: Group, failed: bool) -> None:
+    def _group_close(self, g: Group, failed: bool) -> None:
         """The host runs a group's calls here, sends first (so the paired receives find them);
         the group's event is then already complete."""
-        queue, self._queue, self._group, self._group_depth = self._queue, [], None, 0
-        if failed:
-            if g.scheduled:
-                self.abort()
-            return
-        for fn in [fn for s, fn in queue if s] + [fn for s, fn in queue if not s]:
-            fn()
-        g.event.record(g.stream)
+        queue, self._queue = self._queue, []
+        if not failed:
+            for fn in [fn for s, fn in queue if s] + [fn for s, fn in queue if not s]:
+                fn()
 
     # ---- lifetime ----------------------------------------------------------------------
     def abort(self) -> None:

@@ -1,49 +1,27 @@
-"""What the NCCL and host communicators share: argument checks, reduction-op names, the
-all-to-all schedule, and the methods written once on top of the backend primitives.
+"""The communicator contract (:class:`CommBase`) every backend implements, and what they share:
+argument checks, reduction-op names, the all-to-all schedule, and the methods written once on top
+of the backend primitives.
 
 Every check here runs before any communication is queued, so a bad argument raises
 ``ValueError``/``TypeError`` and leaves the communicator usable.
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cache
-from numbers import Real
 from typing import Any
 
 from lowgrad.core.errors import ClosedError, CommAbortedError
 from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Tensor
+from lowgrad.core.timeouts import check_timeout
 
 # reduction op name -> ncclRedOp_t (the host backend uses the same names)
 OPS = {"sum": 0, "max": 2, "avg": 4}
 REDUCE_SCATTER_OPS = ("avg", "sum")
 ALL_REDUCE_OPS = ("sum", "avg", "max")
-DEFAULT_TIMEOUT = 300.0  # seconds, for initialisation, waits and host rendezvous
-WAIT_SLICE = 3600.0  # seconds: the longest single blocking wait (an infinite timeout waits in slices)
-
-
-def check_timeout(timeout: Any, default: float = DEFAULT_TIMEOUT) -> float:
-    """Seconds to wait: ``None`` gives ``default``; a positive int or float, ``float('inf')``
-    meaning no limit. NaN, zero, negative values are a ValueError; bools and non-numbers a
-    TypeError."""
-    if timeout is None:
-        return default
-    if isinstance(timeout, bool) or not isinstance(timeout, Real):
-        raise TypeError(f"timeout must be seconds (an int or float, inf for none), got {timeout!r}")
-    t = float(timeout)
-    if math.isnan(t) or t <= 0:
-        raise ValueError(f"timeout must be positive seconds (inf for no limit), got {timeout!r}")
-    return t
-
-
-def wait_slice(left: float) -> float:
-    """A blocking wait of ``left`` seconds capped to :data:`WAIT_SLICE` (``Condition.wait``,
-    ``socket.settimeout`` and ``Lock.acquire`` overflow on ``inf``); callers loop to the deadline."""
-    return min(left, WAIT_SLICE)
 
 
 def check_op(call: str, op: str, allowed: tuple[str, ...]) -> int:
@@ -266,10 +244,22 @@ class CommBase(ABC):
     def _group_begin(self, g: Group) -> None:
         """Open ``g`` (:meth:`_group_open` and the backend's start of a transaction)."""
 
-    @abstractmethod
     def _group_end(self, g: Group, failed: bool) -> None:
-        """Close ``g``: run what was scheduled and record ``g.event`` on ``g.stream``; when the
-        block ``failed`` after scheduling something, abort."""
+        """Close ``g``: the backend runs (or, when the block ``failed``, drops) what was scheduled,
+        then ``g.event`` is recorded on ``g.stream``; a block that failed after scheduling
+        something aborts (its peers may already have the other half of the transaction)."""
+        self._group, self._group_depth = None, 0
+        self._group_close(g, failed)
+        if failed:
+            if g.scheduled:
+                self.abort()
+            return
+        g.event.record(g.stream)
+
+    @abstractmethod
+    def _group_close(self, g: Group, failed: bool) -> None:
+        """Backend hook of :meth:`_group_end`: end the transaction ``g`` opened, running what it
+        scheduled, or only closing it when the block ``failed``."""
 
     @abstractmethod
     def barrier(self) -> None:

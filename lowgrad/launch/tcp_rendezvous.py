@@ -1,6 +1,6 @@
 """The authenticated TCP exchange that carries rank 0's 128-byte unique id to the other ranks:
 rank 0 serves it on one port, the others fetch it, both ends prove a shared token with
-HMAC-SHA256 (``docs/rendezvous.md``). :mod:`lowgrad.core.rendezvous` calls it when the
+HMAC-SHA256 (``docs/rendezvous.md``). :mod:`lowgrad.launch.rendezvous` calls it when the
 launcher offers nothing better.
 
 Protocol: rank 0 speaks first: magic and a fresh nonce. The client answers with magic, rank,
@@ -23,9 +23,9 @@ import time
 import warnings
 from typing import Any
 
-from lowgrad.core.collective import DEFAULT_TIMEOUT, check_timeout
 from lowgrad.core.errors import CommTimeoutError
 from lowgrad.core.integers import integer
+from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout
 
 _MAGIC = b"LGRDV\x00\x02\x00"
 _NONCE = 32

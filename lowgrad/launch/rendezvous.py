@@ -1,6 +1,6 @@
 """The rendezvous that delivers rank 0's 128-byte NCCL unique id to the other processes of a job:
 the launcher's environment (torchrun, Open MPI, Slurm), mpi4py, ``NCCL_COMM_ID``, or an
-authenticated TCP exchange on ``MASTER_ADDR`` (:mod:`lowgrad.core.tcp_rendezvous`,
+authenticated TCP exchange on ``MASTER_ADDR`` (:mod:`lowgrad.launch.tcp_rendezvous`,
 ``docs/rendezvous.md``). Backend-neutral: the id is opaque bytes here.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lowgrad.core.collective import check_timeout
-from lowgrad.core.tcp_rendezvous import check_host, exchange_unique_id, token_key
+from lowgrad.core.timeouts import check_timeout
+from lowgrad.launch.tcp_rendezvous import check_host, exchange_unique_id, token_key
 
 
 def launcher_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int, str]:

@@ -1,6 +1,6 @@
 """Starting communicators: N ranks as threads of one process (:func:`run_threads`), or one
 process per GPU from the launcher's environment (:func:`from_env`: torchrun, Open MPI, Slurm;
-the unique id travels through :mod:`lowgrad.core.rendezvous`). The one module that picks a
+the unique id travels through :mod:`lowgrad.launch.rendezvous`). The one module that picks a
 backend by name.
 """
 from __future__ import annotations
@@ -12,15 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad.core.backend import DeviceBase
-from lowgrad.core.collective import CommBase, check_timeout
+from lowgrad.core.communicator import CommBase
 from lowgrad.core.errors import CommAbortedError
 from lowgrad.core.integers import integer
-from lowgrad.core.rendezvous import launcher_env, unique_id_from_env
+from lowgrad.core.threads import AbortEvent
+from lowgrad.core.timeouts import check_timeout
+from lowgrad.launch.rendezvous import launcher_env, unique_id_from_env
 
 _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the caller raises
 # a backend's ranks: make(rank, failed) builds rank's communicator; tell(reason) fails the whole
 # group with ``reason`` before the communicators are aborted, so that every rank hears it
-_Factory = Callable[[int, threading.Event], CommBase]
+_Factory = Callable[[int, AbortEvent], CommBase]
 _Tell = Callable[[str], None]
 
 
@@ -38,9 +40,9 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     kernels ordered on the device (a test and development vehicle for world > 1 on one GPU;
     results equal the host backend's bit for bit). Communicators are
     closed when ``fn`` returns. An exception in any rank aborts every other rank's
-    communicator and is re-raised here (its notes name the rank); on the host backend and the
-    loopback the other ranks' calls raise CommAbortedError saying which rank failed and why
-    (``rank 1 failed: RuntimeError: boom; the communicator was aborted``). Ranks that do not
+    communicator and is re-raised here (its notes name the rank); the other ranks' calls raise
+    CommAbortedError saying which rank failed and why (``rank 1 failed: RuntimeError: boom; the
+    communicator was aborted``). Ranks that do not
     unwind within a few seconds of the failure are left behind as daemon threads.
     ``timeout`` (seconds) bounds initialisation and every wait of the communicators.
     """
@@ -57,7 +59,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     else:
         make, tell = _cuda_factory(world, limit) if share_gpu is False else _loopback_factory(world, limit, share_gpu)
 
-    failed = threading.Event()
+    failed = AbortEvent()
     comms: list[CommBase | None] = [None] * world
     results: list[Any] = [None] * world
     errors: list[tuple[int, BaseException]] = []
@@ -65,7 +67,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
 
     def fail_all(reason: str) -> None:
         tell(reason)  # first: a rank that sees ``failed`` aborts its new communicator, whose reason must lose
-        failed.set()
+        failed.abort(reason)
         for c in list(comms):
             if c is not None:
                 try:
@@ -139,11 +141,11 @@ def _cuda_factory(world: int, timeout: float) -> tuple[_Factory, _Tell]:
         raise ValueError(f"run_threads(world={world}, backend='cuda') needs {world} GPUs, {count} visible")
     uid = nccl.unique_id()
 
-    def make(rank: int, failed: threading.Event) -> CommBase:
+    def make(rank: int, failed: AbortEvent) -> CommBase:
         dev = Device(rank)
         dev.activate()
         return Communicator(rank, world, uid, dev, timeout, abort_event=failed)
-    # NCCL ranks share no object that could carry the reason: ``failed`` aborts their waits
+    # NCCL ranks share nothing else: ``failed`` aborts their waits and carries the reason
     return make, lambda _reason: None
 
 
@@ -163,7 +165,7 @@ def _loopback_factory(world: int, timeout: float, share: Any) -> tuple[_Factory,
         raise TypeError(f"share_gpu must be True, False or a lowgrad Device, got {share!r}")
     group = LoopbackGroup(dev, world, timeout)
 
-    def make(rank: int, _failed: threading.Event) -> CommBase:
+    def make(rank: int, _failed: AbortEvent) -> CommBase:
         dev.activate()
         return LoopbackCommunicator(rank, group, timeout)
     return make, group.abort
