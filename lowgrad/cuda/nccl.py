@@ -6,7 +6,7 @@ The library is loaded at first use (never at import) from, in order: ``LOWGRAD_N
 
 The collective wrappers are thin: they take ints (device pointers, element counts, the
 ``ncclDataType_t`` code of ``DType.nccl`` and the ``ncclRedOp_t`` code of
-:data:`lowgrad.core.collective.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
+:data:`lowgrad.core.communicator.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
 NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or ``ncclInProgress``
 (7, non-blocking communicators); any other code raises
 :class:`~lowgrad.core.errors.NcclError` with ``ncclGetErrorString`` and ``ncclGetLastError``.
