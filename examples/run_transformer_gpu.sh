@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Issue-14 GPU measurements in one call (about 5 minutes on an H200; BENCHMARKS.md, runs 15-18):
+# The transformer's GPU measurements in one call (about 5 minutes on an H200):
 #  1. step time and memory, each run alone on the GPU: PyTorch bf16 gradients, lowgrad scatter_reduce
 #     (default rounding) and unsharded, 16 x 1024 bytes per micro-step, 4 micro-steps;
 #  2. a profiled lowgrad run (GPU time per stream; how much of lowgrad's stream overlaps compute);
 #  3. loss curves of every mode at once (step times not comparable there): PyTorch fp32 and bf16,
 #     lowgrad ldsr / sr / rn, two seeds where it matters;
 #  4. real 0.5B gradients through tools/accuracy.py; 5. the loss plot.
-#   bash examples/run_transformer_gpu.sh [OUTDIR]     (default: $OUT, else ./transformer_runs in the current folder)
+#   bash examples/run_transformer_gpu.sh [OUTDIR]     (default: $OUT/transformer_runs, else ./transformer_runs;
+#   from the repository's root, a temporary folder: tools/_cli.py output-path, the tools' rule)
 #   (CPU smoke: SIZE=tiny STEPS=2 GRAD_MICRO=8 BATCH=2 SEQ=32 bash examples/run_transformer_gpu.sh /tmp/tt)
 # The last line is the verdict, PASS or FAIL (exit status 1 when a run failed); with the 0.5B model
 # and no GPU it says so in one line on stderr and exits with status 2 (the CPU smoke run above has
 # no profiled run: --profile measures GPU streams).
 set -u -o pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
-OUTDIR=$(realpath -m "${1:-${OUT:-transformer_runs}}")  # relative to the folder it was called from
+OUTDIR=$(python3 "$(dirname "$0")/../tools/_cli.py" output-path run_transformer_gpu.sh transformer_runs "${1:-}") || exit 2
+OUTDIR=$(realpath -m "$OUTDIR")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SIZE=${SIZE:-0.5b}
@@ -64,13 +66,17 @@ import json, sys
 from pathlib import Path
 import numpy as np
 sys.path.insert(0, "examples")
-from train_lm import plot_curves
+from importlib.util import find_spec
+from plot_losses import plot_curves
 runs = [json.loads(p.read_text()) for p in sorted(Path(sys.argv[1], "curves").glob("*.json"))]
 for r in runs:
     print(f"{r['label']:<40} loss {r['loss'][0]:.3f} -> mean of the last 10 steps {np.mean(r['loss'][-10:]):.3f}")
 k = min(10, min(len(r["loss"]) for r in runs)) if runs else 1
 smooth = [{"label": r["label"], "loss": list(np.convolve(r["loss"], np.ones(k) / k, mode="valid"))} for r in runs]
-plot_curves(smooth, str(Path(sys.argv[1]) / "transformer_losses.png"))
+if find_spec("matplotlib"):
+    plot_curves(smooth, str(Path(sys.argv[1]) / "transformer_losses.png"))
+else:
+    print("matplotlib is not installed: no plot written")
 PY
 if [ ${#failed[@]} = 0 ]; then
   echo "PASS: every run exited 0 (each one's loss fell and stayed finite) and the accuracy table was written ($OUTDIR)"

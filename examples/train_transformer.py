@@ -43,9 +43,8 @@ try:
 except ImportError:  # main() says so in one line
     torch = None  # type: ignore[assignment]  # the module or None: main() checks before any use
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_lm import CannotRun, OneLineParser, cannot_run, missing_gpus  # first: says why lowgrad is missing
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from _cli import CannotRun, Parser, int_at_least, require_cuda, run  # first: says why lowgrad is missing
 
 import lowgrad as lg
 
@@ -327,23 +326,14 @@ def save_grads(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {"saved": args.save_grads, "micro_steps": M, "elements": int(pick.numel()), "params": total}
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     """The arguments (sizes defaulted by device, :data:`DEFAULTS`) and the lowgrad backend,
     "cuda" where lowgrad sees a GPU, else "host". :class:`CannotRun` for a setup that cannot
     run here; argument errors are one line (exit status 2)."""
     def by_device(key: str) -> str:
         return f"default: {DEFAULTS['cuda'][key]} on a GPU, {DEFAULTS['host'][key]} on the CPU"
-    p = OneLineParser(description=__doc__.split("\n\n")[0] + " On a GPU when there is one, else on the CPU.")
+    p = Parser("train_transformer",
+               description=__doc__.split("\n\n")[0] + " On a GPU when there is one, else on the CPU.")
     p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
     p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
     p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
@@ -351,10 +341,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     p.add_argument("--no-overlap", action="store_true",
                    help="lowgrad: deliver each micro-step's gradients at its end (attach(overlap=False))")
     p.add_argument("--size", choices=tuple(SIZES), help=by_device("size"))
-    p.add_argument("--steps", type=_positive, help=by_device("steps"))
-    p.add_argument("--micro-steps", type=_positive, help=by_device("micro_steps"))
-    p.add_argument("--batch", type=_positive, help=by_device("batch"))
-    p.add_argument("--seq", type=_positive, help=by_device("seq"))
+    p.add_argument("--steps", type=int_at_least(1), help=by_device("steps"))
+    p.add_argument("--micro-steps", type=int_at_least(1), help=by_device("micro_steps"))
+    p.add_argument("--batch", type=int_at_least(1), help=by_device("batch"))
+    p.add_argument("--seq", type=int_at_least(1), help=by_device("seq"))
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
@@ -369,7 +359,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
                         "where the profiler sees them, autograd's hooks included on Python 3.12+)")
     p.add_argument("--save-grads", metavar="PATH.npy",
                    help="instead of training: save --micro-steps micro-batches' fp32 gradients for tools/accuracy.py")
-    p.add_argument("--save-elems", type=_positive, default=65536, help="with --save-grads: sampled gradient elements")
+    p.add_argument("--save-elems", type=int_at_least(1), default=65536,
+                   help="with --save-grads: sampled gradient elements")
     args = p.parse_args(argv)
     if torch is None:
         raise CannotRun('needs PyTorch: pip install ".[torch]"')
@@ -381,8 +372,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     for key, value in DEFAULTS[backend].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.profile and backend != "cuda":
-        raise CannotRun(f"--profile measures the GPU's streams: it {missing_gpus()}")
+    if args.profile and backend != "cuda":  # it measures the GPU's streams
+        require_cuda()
     if backend == "cuda" and not torch.cuda.is_available():
         raise CannotRun(f"lowgrad sees {lg.device_count()} GPU(s) but PyTorch has no CUDA (torch {torch.__version__}): "
                         "install a CUDA build of PyTorch")
@@ -411,10 +402,7 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 on PASS, 1 on FAIL, 2 (one line on stderr, nothing run) for a setup that
     cannot run here."""
-    try:
-        args, backend = parse_args(argv)
-    except CannotRun as exc:
-        return cannot_run("train_transformer.py", exc)
+    args, backend = parse_args(argv)
     if args.save_grads:
         saved = lg.run_threads(1, lambda comm: save_grads(comm, args), backend=backend)[0]
         print(f"wrote {saved.pop('saved')}: {saved}")
@@ -441,4 +429,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("train_transformer", main))

@@ -2,7 +2,8 @@
 and exits with status 2 (no traceback), on a machine with a GPU and on one without.
 
 - :class:`Parser`: argparse with one-line errors (``tool: error: ... (see --help)``, status 2);
-  :func:`int_list` and :func:`float_list` parse comma lists.
+  :func:`int_at_least` parses a bounded integer, :func:`int_list` and :func:`float_list` comma
+  lists.
 - :func:`require_cuda`: by capability (lowgrad's own driver check, the GPU count), not by a
   backend's name: :class:`CannotRun` with ``needs an NVIDIA GPU and driver (CUDA backend):
   <reason>`` and, for a tool with a host mode, how to use it.
@@ -10,13 +11,16 @@ and exits with status 2 (no traceback), on a machine with a GPU and on one witho
   ``CudaUnavailableError`` raised where no check came first (a rank's thread, say) and a missing
   NCCL library into that one line and status 2. Every other exception is a bug and keeps its
   traceback.
-- :func:`output_path`: where a tool writes its JSON when ``--json`` is not given: ``$OUT/NAME``
-  when ``OUT`` is set, else ``./NAME`` in the current directory, but never the repository's own
-  root (a run from there writes to ``<tmp>/lowgrad-tools/NAME``); each tool prints where it wrote.
+- :func:`output_path`: the one rule for where a tool or example writes when the user names no
+  path: ``$OUT/NAME`` when ``OUT`` is set, else ``./NAME`` in the current directory, but never the
+  repository's own root (a run from there writes to ``<tmp>/lowgrad-tools/NAME``); each one
+  prints where it wrote.
 
 A tool imports it as ``from _cli import ...`` once tools/ is on ``sys.path`` (as predict_scaling
-imports bench_manager). ``python3 tools/_cli.py needs-gpu NAME [HINT]`` is the same GPU check for
-the shell scripts: silent with status 0 where there is a GPU, else the one line and status 2.
+imports bench_manager). Two commands give the shell scripts the same rules:
+``python3 tools/_cli.py needs-gpu NAME [HINT]`` is the GPU check (silent with status 0 where there
+is a GPU, else the one line and status 2), and ``python3 tools/_cli.py output-path TOOL NAME
+[GIVEN]`` prints :func:`output_path` of ``NAME`` (``GIVEN``: the user's path, when not empty).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ INSTALL = 'pip install ".[cu12]" from the repository, or run the tool with the P
 try:  # every tool needs lowgrad: without it (or its dependencies) in this Python, one line
     import lowgrad
 except ImportError as _exc:
-    _name = sys.argv[2] if sys.argv[1:2] == ["needs-gpu"] and len(sys.argv) > 2 else \
+    _name = sys.argv[2] if sys.argv[1:2] in (["needs-gpu"], ["output-path"]) and len(sys.argv) > 2 else \
         os.path.splitext(os.path.basename(sys.argv[0]))[0]
     print(f"{_name}: needs lowgrad and its dependencies in this Python ({_exc}): {INSTALL}", file=sys.stderr)
     sys.exit(CANNOT_RUN)
@@ -69,6 +73,19 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(CANNOT_RUN, f"{self.tool}: error: {one_line(message)} (see --help)\n")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: one integer of at least ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def int_list(low: int = 1) -> Callable[[str], list[int]]:
@@ -110,14 +127,14 @@ def cuda_reason() -> str | None:
 
 def require_cuda(gpus: int = 1, host_hint: str | None = None) -> None:
     """:class:`CannotRun` unless the CUDA backend works here with at least ``gpus`` GPUs."""
-    reason = cuda_reason()
-    if reason is not None:
-        raise CannotRun(needs_gpu(reason, host_hint))
-    if gpus > 1:
-        from lowgrad.cuda.device import device_count
+    from lowgrad.cuda.device import device_count
 
-        if (count := device_count()) < gpus:
-            raise CannotRun(f"needs {gpus} GPUs, {count} visible")
+    reason = cuda_reason()
+    count = 0 if reason else device_count()
+    if count == 0:
+        raise CannotRun(needs_gpu(reason or "no GPU visible", host_hint))
+    if count < gpus:
+        raise CannotRun(f"needs {gpus} GPUs, {count} visible")
 
 
 def output_path(name: str, given: str | None = None) -> str:
@@ -182,15 +199,22 @@ def run(tool: str, main: Callable[[], int]) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) not in (2, 3) or argv[0] != "needs-gpu":
-        print("usage: python3 tools/_cli.py needs-gpu NAME [HINT]", file=sys.stderr)
+    command, args = (argv[0], argv[1:]) if argv else ("", [])
+    required = {"needs-gpu": 1, "output-path": 2}.get(command)
+    if required is None or len(args) not in (required, required + 1):
+        print("usage: python3 tools/_cli.py needs-gpu NAME [HINT] | output-path TOOL NAME [GIVEN]", file=sys.stderr)
         return CANNOT_RUN
+    extra = args[required] if len(args) > required else None  # HINT or GIVEN
 
     def check() -> int:
-        require_cuda(host_hint=argv[2] if len(argv) == 3 else None)
+        require_cuda(host_hint=extra)
         return 0
 
-    return run(argv[1], check)
+    def path() -> int:
+        print(output_path(args[1], extra))
+        return 0
+
+    return run(args[0], check if command == "needs-gpu" else path)
 
 
 if __name__ == "__main__":
