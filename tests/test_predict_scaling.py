@@ -1,4 +1,4 @@
-"""tools/predict_scaling.py (CPU, reads the committed bench JSON): it runs and writes JSON and
+"""tools/predict_scaling.py (CPU, reads the newest committed bench JSON): it runs and writes JSON and
 Markdown, its predictions pass sanity checks that can fail, and each cited constant moves the
 prediction the way it should."""
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_the_tool_runs_and_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "| Qwen2.5-7B | all_to_all+offload | 8 |" in text and "confirm or refute" in text
 
 
-def test_measured_inputs_come_from_the_run9_json(measured: Any) -> None:
+def test_measured_inputs_come_from_the_newest_bench_json(measured: Any) -> None:
     assert 4000 < measured.copy_gbps < 4500 and 50 < measured.h2d_gbps < 60
     assert 70 < measured.pinned_sr_gbps < 100
     assert 0 < measured.sr_fixed_us < 20 and set(measured.reduce_sr_ratio) == {4, 8}
@@ -158,3 +158,19 @@ def test_world_one_reproduces_the_manager_bench(result: dict[str, Any]) -> None:
 def test_worlds_that_do_not_divide_the_layout_are_refused(measured: Any) -> None:
     with pytest.raises(ValueError, match="not divisible"):
         _predict(measured, ps.Config(), "scatter_reduce", world=3)
+
+
+def test_the_default_inputs_are_the_newest_runs_by_number(tmp_path: Path) -> None:
+    """Run folders compare by their numbers (run10 after run9), nested runs included; a folder
+    without the file gives the path it would have."""
+    for folder in ("2026-12-03-h200-run9", "2026-12-03-h200-run10", "2026-12-02-h200-run11",
+                   "2026-12-03-h200-run10-12/run12", "2026-12-03-h200-run10-12/run11"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "bench_kernels.json").write_text("{}")
+    assert ps.newest("bench_kernels.json", str(tmp_path)) == str(tmp_path / "2026-12-03-h200-run10" /
+                                                                  "bench_kernels.json")
+    (tmp_path / "2026-12-03-h200-run10" / "bench_kernels.json").unlink()
+    assert ps.newest("bench_kernels.json", str(tmp_path)).endswith("run10-12/run12/bench_kernels.json")
+    assert ps.newest("bench_layer.json", str(tmp_path)) == str(tmp_path / "bench_layer.json")
+    args = ps.parse_args(["--benchmarks", str(tmp_path)])
+    assert args.bench_kernels.endswith("run12/bench_kernels.json") and args.bench_layer.endswith("bench_layer.json")

@@ -18,6 +18,7 @@ assumption is printed with the number it predicts, for the first multi-GPU run t
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -38,9 +39,7 @@ import lowgrad as lg
 # the strategies the manager bench runs, in its order, on the managers' default streams
 RUNS = tuple((st, off) for st, off, inline in BENCH_RUNS if inline is None)
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-RUN9 = os.path.join(REPO, "benchmarks", "2026-12-03-h200-run9")
-RUN6 = os.path.join(REPO, "benchmarks", "2026-12-02-h200-run6")  # the newest bench_layer.json
+BENCHMARKS = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 # ---- cited figures (each one an option) ------------------------------------------------------
 # nccl-tests reduce_scatter_perf, 8 x H100 SXM in one node, >= 1 GB: bus bandwidth ~350 GB/s
@@ -127,6 +126,17 @@ def label(strategy: str, offload: bool) -> str:
 
 
 # ---- reading the bench JSON -------------------------------------------------------------------
+def newest(name: str, folder: str) -> str:
+    """The newest file ``name`` under ``folder``: the last path in natural order, numbers compared
+    as numbers, since run folders are named ``<date>-<machine>-run<N>[-<M>][/run<K>]``. Where there
+    is none, the path it would have (reading it then says what is missing)."""
+    def key(path: str) -> list[str | int]:
+        return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", path))]
+
+    found = glob.glob(os.path.join(glob.escape(folder), "**", name), recursive=True)
+    return max(found, key=key) if found else os.path.join(folder, name)
+
+
 def _load(path: str) -> dict[str, Any]:
     with open(path) as f:
         return json.load(f)
@@ -534,13 +544,12 @@ def command_line(argv: list[str]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser("predict_scaling", description=__doc__.split("\n\n")[0] + " Runs on the CPU: it reads the bench "
-               "JSON of one H200 run (the committed benchmarks/ folders by default) and measures nothing.")
-    p.add_argument("--bench-kernels", default=os.path.join(RUN9, "bench_kernels.json"),
-                   help="bench_kernels.json (default: the committed run 9)")
-    p.add_argument("--bench-manager", default=os.path.join(RUN9, "bench_manager.json"),
-                   help="bench_manager.json (default: the committed run 9)")
-    p.add_argument("--bench-layer", default=os.path.join(RUN6, "bench_layer.json"),
-                   help="bench_layer.json (default: the committed run 6)")
+               "JSON of H200 runs and measures nothing.")
+    p.add_argument("--benchmarks", default=BENCHMARKS, metavar="DIR",
+                   help="where the bench JSON defaults are looked for (default: the repository's benchmarks/)")
+    for tool in ("bench_kernels", "bench_manager", "bench_layer"):
+        p.add_argument(f"--{tool.replace('_', '-')}", metavar="JSON",
+                       help=f"{tool}.json (default: the newest under --benchmarks, by run folder name)")
     p.add_argument("--models", default=",".join(MODELS), help="comma list of presets or config.json paths")
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma list of GPU counts")
     d = Config()
@@ -557,6 +566,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help=output_help("predict_scaling.json"))
     p.add_argument("--markdown", default=None, help="also write the section as Markdown to this path")
     args = p.parse_args(argv)
+    for tool in ("bench_kernels", "bench_manager", "bench_layer"):
+        if getattr(args, tool) is None:
+            setattr(args, tool, newest(f"{tool}.json", args.benchmarks))
     try:
         int_list(1)(args.worlds)
     except argparse.ArgumentTypeError as exc:
