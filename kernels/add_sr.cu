@@ -1,5 +1,5 @@
-// dst = SR((a + b) * scale) elementwise in float32 (add, then multiply); dst may alias a exactly.
-// Element i uses the noise of index index_offset + i.
+// dst = SR((a + b) * scale) elementwise in float32 (add, then multiply), and dst = SR(a * scale);
+// dst may alias a exactly. Element i uses the noise of index index_offset + i.
 #include "sr.cuh"
 
 // Measured best on H200: 2 groups of 8 per thread and iteration, and an explicit minimum of 1 block
@@ -52,6 +52,39 @@ ADD_SR_KERNEL(bf16, bf16_t, f32, float, f32, float)
 ADD_SR_KERNEL(bf16, bf16_t, f32, float, bf16, bf16_t)
 ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, f32, float)
 ADD_SR_KERNEL(bf16, bf16_t, bf16, bf16_t, bf16, bf16_t)
+
+// ---- scale_sr: dst = SR(a * scale), the rounding of add_sr ---------------------------------------
+template <typename D, typename A> struct ScaleSr {
+  D* dst;
+  const A* a;
+  float scale;
+  Rounding rd;
+  u64 offset;
+
+  template <int U, bool VEC> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count) const {
+    float x[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load8<VEC>(a + e[u], count, x[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[u][k] = __fmul_rn(x[u][k], scale);
+      store8<VEC>(dst + e[u], count, x[u], rd, offset + e[u]);
+    }
+  }
+};
+
+#define SCALE_SR_KERNEL(DN, D, AN, A)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256, ADD_MIN_BLOCKS)                                     \
+  scale_sr_##DN##_##AN(D* dst, const A* a, float scale, u64 seed, u64 index_offset, u64 n) {           \
+    ScaleSr<D, A> f{dst, a, scale, seed_rounding(seed), index_offset};                                 \
+    for_each_group<ADD_UNROLL>(f, n, aligned16((u64)dst | (u64)a));                                    \
+  }
+
+SCALE_SR_KERNEL(f32, float, f32, float)
+SCALE_SR_KERNEL(f32, float, bf16, bf16_t)
+SCALE_SR_KERNEL(bf16, bf16_t, f32, float)
+SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 
 // ---- multi-tensor add_sr: one launch for up to MULTI_MAX tensors (a layer's gradients) ----------
 // A persistent grid (as many blocks as fit on the GPU at once) strides over chunks of

@@ -1,16 +1,19 @@
 // Updates of a manager's SeedCounter (sr.cuh), queued on the stream of the SR kernels that read it:
-// op 0 sets {base, step, micro-step 0, mode}; op 1 advances the micro-step; op 2 starts the next step.
+// SET sets {base, step, micro-step 0, mode}; NEXT_MICRO advances the micro-step; NEXT_STEP starts the
+// next step. The host names the ops by these constants (lowgrad/sr/seedcounter.py reads them here).
 #include "sr.cuh"
+
+enum : u32 { SET = 0, NEXT_MICRO = 1, NEXT_STEP = 2 };
 
 extern "C" __global__ void __launch_bounds__(256) seed_counter(SeedCounter* c, u32 op, u64 base, u32 step, u32 mode) {
   if (threadIdx.x | blockIdx.x) return;
-  if (op == 0) {
+  if (op == SET) {
     c->base = base;
     c->step = step;
     c->micro = 0;
     c->mode = mode;
     c->pad = 0;
-  } else if (op == 1) {
+  } else if (op == NEXT_MICRO) {
     c->micro += 1;
   } else {
     c->step += 1;

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad.core import capture
+from lowgrad.core.backend import check_copy
 from lowgrad.core.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.core.kernels import SeedSource
 from lowgrad.core.limits import U64
@@ -21,16 +22,16 @@ from lowgrad.sr.checks import (
     SR_DTYPES,
     check_accumulate,
     check_index_offset,
-    check_reduce_sr_args,
     check_scale,
     check_seed,
     check_u32,
 )
+from lowgrad.sr.reference import check_reduce_sr_args
 from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
-           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "fill_nan", "fill_zero",
-           "norm_squared", "reduce_sr"]
+           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "copy_on_cores", "fill_nan",
+           "fill_zero", "norm_squared", "reduce_sr", "scale_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)
@@ -70,6 +71,13 @@ def _overlap(x: Tensor, y: Tensor) -> bool:
     return x.offset < y.offset + y.nbytes and y.offset < x.offset + x.nbytes
 
 
+def _alias_only_exactly(kernel: str, dst: Tensor, a: Tensor) -> None:
+    """``dst`` may be ``a`` itself (same memory and dtype: each element is read before it is
+    written), but not overlap it otherwise."""
+    if _overlap(dst, a) and (dst.offset != a.offset or dst.dtype is not a.dtype):
+        raise ValueError(f"{kernel}: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
+
+
 def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, index_offset: Any
                   ) -> tuple[Any, float, int, int]:
     """add_sr's checks (the common case inline: this is the launch hot path; anything unusual
@@ -92,15 +100,14 @@ def _check_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: Any, seed: Any, inde
         _kernel_memory(dev, (dst, "dst"), (a, "a"), (b, "b"))
     if ad is ab and _overlap(dst, b):
         raise ValueError(f"add_sr: dst {dst.name!r} may not overlap b {b.name!r}")
-    if ad is aa and _overlap(dst, a) and (dst.offset != a.offset or dst.dtype is not a.dtype):
-        raise ValueError(f"add_sr: dst {dst.name!r} may alias a {a.name!r} only exactly (same memory and dtype)")
+    if ad is aa:
+        _alias_only_exactly("add_sr", dst, a)
     if (type(seed) is not int or type(index_offset) is not int
             or not (0 <= seed < U64 and 0 <= index_offset < U64 and index_offset + n <= U64)):
         seed, index_offset = check_seed(seed), check_index_offset(index_offset, n)
     if type(scale) is not float or not -F32_MAX <= scale <= F32_MAX:
         scale = check_scale(scale)
     return dev, scale, seed, index_offset
-
 
 
 def add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, seed: int = 0, index_offset: int = 0,
@@ -123,6 +130,28 @@ def bind_add_sr(dst: Tensor, a: Tensor, b: Tensor, scale: float = 1.0, index_off
     int handle). It raises ClosedError once any of the tensors was closed."""
     dev, scale, _, index_offset = _check_add_sr(dst, a, b, scale, 0, index_offset)
     return dev.kernels.bind_add_sr(dst, a, b, scale, index_offset)
+
+
+def scale_sr(dst: Tensor, a: Tensor, scale: float = 1.0, seed: int = 0, index_offset: int = 0,
+             stream: StreamLike = None) -> None:
+    """``dst = SR(a * scale)`` elementwise in float32, on ``stream``: :func:`add_sr`'s rounding
+    without the sum.
+
+    fp32 or bf16 each; equal element counts; ``dst`` may alias ``a`` exactly but may not partially
+    overlap it. The noise of element ``i`` uses index ``index_offset + i``.
+    """
+    h = stream_handle(stream)
+    for t, what in ((dst, "dst"), (a, "a")):
+        _tensor(t, what)
+        _dtype_in(t, what, SR_DTYPES)
+    dev = _same_device(dst, (a, "a"))
+    if dst.numel != a.numel:
+        raise ValueError(f"scale_sr size mismatch: dst {dst.shape}, a {a.shape}")
+    _kernel_memory(dev, (dst, "dst"), (a, "a"))
+    _alias_only_exactly("scale_sr", dst, a)
+    scale, seed, index_offset = check_scale(scale), check_seed(seed), check_index_offset(index_offset, dst.numel)
+    capture.keep_tensors(dst, a)
+    dev.kernels.scale_sr(dst, a, scale, seed, index_offset, h)
 
 
 def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
@@ -172,7 +201,7 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
 
 def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, accumulate: Any, seed: Any,
                      index_offset: Any) -> tuple[Any, int, int, float, bool, int, int]:
-    """reduce_sr's checks (:func:`lowgrad.sr.checks.check_reduce_sr_args` after the tensor ones);
+    """reduce_sr's checks (:func:`lowgrad.sr.reference.check_reduce_sr_args` after the tensor ones);
     returns (device, n_shards, skip, scale, accumulate, seed, index_offset)."""
     _tensor(dst, "dst")
     _tensor(src, "src")
@@ -202,13 +231,14 @@ def reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: fl
 
 
 def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scale: float = 1.0,
-                   accumulate: bool = False, index_offset: int = 0, seed: Any = 0) -> Callable[[int], None]:
-    """``reduce_sr`` checked and packed once, ``seed`` an int or ``(counter, layer, lane)`` (see
-    :func:`check_seed_source`); the returned ``f(stream)`` queues it on ``stream`` (an int handle)."""
+                   accumulate: bool = False, index_offset: int = 0, seeds: Any = 0) -> Callable[[int], None]:
+    """``reduce_sr`` checked and packed once, ``seeds`` one seed int or ``(counter, layer, lane)``
+    (see :func:`check_seed_source`); the returned ``f(stream)`` queues it on ``stream`` (an int
+    handle)."""
     dev, n_shards, skip, scale, accumulate, _, index_offset = _check_reduce_sr(
         dst, src, n_shards, skip, scale, accumulate, 0, index_offset)
     return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, accumulate, index_offset,
-                                      check_seed_source(seed, 1, dev))
+                                      check_seed_source(seeds, 1, dev))
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:
@@ -245,6 +275,22 @@ def copy(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
                          f"[{dst.offset}, {dst.offset + dst.nbytes}) and [{src.offset}, {src.offset + src.nbytes}) "
                          "of one allocation)")
     dst.device.copy(dst, src, stream)
+
+
+def copy_on_cores(dst: Tensor, src: Tensor, stream: StreamLike = None) -> None:
+    """Copy ``src`` into ``dst`` (same dtype and element count, one device, memory its kernels can
+    access, no overlap) on ``stream`` with a kernel on the GPU's cores, where :func:`copy` uses a
+    copy engine: a copy engine is one queue shared by every stream of the process, so a copy queued
+    there can wait behind another rank's work (the loopback communicator's graph replays)."""
+    h = stream_handle(stream)
+    _tensor(dst, "dst")
+    check_copy(dst.device, dst, src)
+    if _overlap(dst, src):
+        raise ValueError(f"copy_on_cores: dst {dst.name!r} may not overlap src {src.name!r}")
+    _kernel_memory(dst.device, (dst, "dst"), (src, "src"))
+    dst.ptr, src.ptr  # noqa: B018 - the properties raise on a closed tensor before anything is queued
+    capture.keep_tensors(dst, src)
+    dst.device.kernels.copy(dst, src, h)
 
 
 def norm_squared(x: Tensor, out: Tensor, accumulate: bool = False, stream: StreamLike = None) -> None:

@@ -131,24 +131,3 @@ def test_kernels_table_matches_the_entry_points() -> None:
                 assert kinds == tuple(_CTYPES_KIND[t] for t in spec.args), symbol
             seen.add(symbol)
     assert seen == set(compiler.kernel_specs())
-
-
-def test_spec_lookups() -> None:
-    from lowgrad import bf16, fp16, fp32, fp64
-
-    assert compiler.add_sr_spec(bf16, fp32, "bf16").symbol == "add_sr_bf16_f32_bf16"
-    u64, f32 = ctypes.c_uint64, ctypes.c_float
-    assert compiler.add_sr_spec(bf16, bf16, bf16).args == (u64, u64, u64, f32, u64, u64, u64)
-    assert compiler.reduce_sr_spec(fp32, bf16).symbol == "reduce_sr_f32_bf16"
-    s1, s2 = compiler.norm_squared_specs(bf16, fp64)
-    assert (s1.symbol, s2.symbol) == ("norm_squared_bf16_f64", "norm_squared_finish_f64")
-    assert compiler.kernel("fill_u8").module == "fill"
-    assert compiler.kernel("philox_kat").module == "philox_kat"
-    with pytest.raises(ValueError, match="no kernel"):
-        compiler.kernel("add_sr_f16_f16_f16")
-    assert all(s.block == (32 if s.symbol in ("loopback_sync", "loopback_delay") else 256)
-               for s in compiler.kernel_specs().values())  # one-thread waits
-    with pytest.raises(TypeError):
-        compiler.add_sr_spec(fp16, bf16, bf16)
-    with pytest.raises(TypeError):
-        compiler.norm_squared_specs(fp32, bf16)

@@ -139,6 +139,27 @@ def test_add_sr_dst_aliases_a(gpu: lg.Device, host: lg.HostDevice, dts: tuple[lg
     assert_bits(got, want, f"add_sr alias {_ids(dts)} n={n} seed={sr_seed} offset={off} rng={seed}")
 
 
+@pytest.mark.parametrize("n", [1, 7, 9, 256 * 8 + 3, 3_000_001])
+@pytest.mark.parametrize("dts", list(itertools.product(SR, repeat=2)), ids=_ids)
+def test_scale_sr_is_the_reference(gpu: lg.Device, dts: tuple[lg.DType, ...], n: int) -> None:
+    """scale_sr, the kernel built from its contract declaration: equal to
+    lowgrad.sr.reference.scale_sr bit for bit, aliased (dst is a), misaligned (a view at element
+    1) and across the 32-bit Philox counter carry."""
+    dt_dst, dt_a = dts
+    rng, seed = _rng()
+    a = _values(rng, n + 1, dt_a)
+    s = gpu.stream()
+    for off, start, alias in ((_offset(rng), 0, False), (OFFSETS[3], 1, False), (OFFSETS[n % 4], 0, dt_dst is dt_a)):
+        sr_seed, scale = secrets.randbits(64), float(rng.choice([1.0, -0.375, 3e-20]))
+        ta = lg.from_numpy(a, gpu, name="a")
+        dst = ta if alias else gpu.alloc((n + 1,), dt_dst, name="dst")
+        lg.ops.scale_sr(dst.view(start, n), ta.view(start, n), scale, sr_seed, off, stream=s)
+        s.synchronize()
+        want = lg.reference.scale_sr(a[start:start + n], scale, sr_seed, off, out_dtype=dt_dst)
+        assert_bits(dst.numpy()[start:start + n], want,
+                    f"scale_sr {_ids(dts)} n={n} alias={alias} start={start} offset={off} seed={sr_seed} rng={seed}")
+
+
 @pytest.mark.parametrize("kind", ["pinned", "write_combined"])
 @pytest.mark.parametrize("alias", [True, False])
 @pytest.mark.parametrize("dt_dst", SR, ids=lambda d: d.name)
@@ -463,8 +484,7 @@ def test_launches_look_nothing_up_after_the_first(gpu: lg.Device, monkeypatch: p
 
     def looked_up(*_: Any) -> None:
         raise AssertionError("a kernel lookup in the launch path")
-    for name in ("norm_squared_specs", "add_sr_spec"):
-        monkeypatch.setattr(cuda_kernels, name, looked_up)
+    monkeypatch.setattr(cuda_kernels, "kernel_for", looked_up)
     monkeypatch.setattr(compiler, "kernel_specs", looked_up)
     assert compiler.kernel_dir.cache_info().currsize == 1  # located once per process
     for _ in range(3):
@@ -618,7 +638,7 @@ def test_add_sr_multi_blocks_override_gives_the_same_bits(gpu: lg.Device) -> Non
 @pytest.mark.parametrize("kind", ["device", "pinned"])
 @pytest.mark.parametrize("n,offsets", [(1, (0, 0)), (4097, (0, 0)), (4097, (3, 7)), (1 << 20, (16, 0)), (33, (1, 1))])
 def test_core_copy_moves_every_byte(gpu: lg.Device, kind: str, n: int, offsets: tuple[int, int]) -> None:
-    """Kernels.copy (the managers' copy by the GPU's cores) at odd sizes and misaligned ends,
+    """ops.copy_on_cores (Kernels.copy: the managers' copy by the GPU's cores) at odd sizes and misaligned ends,
     into device or pinned memory; the bytes around the destination stay untouched."""
     rng = np.random.default_rng(n)
     do, so = offsets
@@ -627,7 +647,7 @@ def test_core_copy_moves_every_byte(gpu: lg.Device, kind: str, n: int, offsets: 
     dst = gpu.alloc((n + do + 5,), lg.byte, kind=kind, name="copy_dst")
     gpu.copy_from_host(dst, np.full(n + do + 5, 0xAB, np.uint8))
     s = gpu.stream()
-    gpu.kernels.copy(dst.view(do, n), src.view(so, n), s.handle)
+    lg.ops.copy_on_cores(dst.view(do, n), src.view(so, n), s.handle)
     s.synchronize()
     out = dst.numpy()
     assert out[do:do + n].tobytes() == src_host[so:].tobytes()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.kernels import Kernels
+from lowgrad.core.kernels import ELEMENTWISE, Elementwise, Kernels
 from lowgrad.core.tensor import span
 from lowgrad.cuda.kernels import CudaKernels
 from lowgrad.host.kernels import HostKernels
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 # constant -> the one module that may assign it
 HOMES = {"U32": "lowgrad/core/limits.py", "U64": "lowgrad/core/limits.py",
          "HOST_ALLOC_LIMIT": "lowgrad/core/limits.py", "SR_DTYPES": "lowgrad/sr/checks.py",
-         "F32_MAX": "lowgrad/sr/checks.py", "OPS": "lowgrad/core/collective.py",
+         "F32_MAX": "lowgrad/sr/checks.py", "OPS": "lowgrad/core/communicator.py",
          "SeedSource": "lowgrad/core/kernels.py"}
 ALIASES = {"_U32": "U32", "_U64": "U64", "_HOST_LIMIT": "HOST_ALLOC_LIMIT", "_F32_MAX": "F32_MAX",
            "MULTI_MAX": "a kernel source", "MULTI_CHUNK": "a kernel source", "ELEMS_PER_THREAD": "a kernel source",
@@ -57,25 +57,45 @@ def test_shared_constants_are_assigned_once() -> None:
     assert not bad, "\n".join(bad)
 
 
-CONTRACT = {"add_sr", "reduce_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr", "seed_counter", "fill", "copy",
-            "norm_squared"}
+#: the contract as the code states it: the methods each backend writes, and the elementwise
+#: kernels each builds from their declaration
+WRITTEN = Kernels.__abstractmethods__ - {"build"}
+BUILT = {k.name for k in ELEMENTWISE}
+
+
+def test_the_contract_is_read_from_the_code() -> None:
+    assert BUILT == {name for name, v in vars(Kernels).items() if isinstance(v, Elementwise)}
+    assert {"add_sr", "reduce_sr", "scale_sr"} <= BUILT and {"copy", "bind_reduce_sr"} <= WRITTEN
+    assert not BUILT & WRITTEN and "build" in Kernels.__abstractmethods__
+
+
+def built_tables() -> list[Kernels]:
+    """A host table, and a CUDA one without a device (its elementwise kernels built as its
+    constructor builds them; nothing is launched)."""
+    cuda = object.__new__(CudaKernels)
+    cuda.__dict__.update(_kernels={}, max_grid=1, group_elems=8)
+    Kernels.__init__(cuda)
+    return [lg.HostDevice().kernels, cuda]
 
 
 def test_both_kernel_tables_implement_the_one_contract() -> None:
-    assert Kernels.__abstractmethods__ == CONTRACT
     for table in (CudaKernels, HostKernels):
         assert issubclass(table, Kernels) and not table.__abstractmethods__, table
-        for name in CONTRACT:
+        for name in WRITTEN:
             want = list(inspect.signature(getattr(Kernels, name)).parameters)
             got = list(inspect.signature(getattr(table, name)).parameters)
             assert got[:len(want)] == want, (table.__name__, name)
             assert all(inspect.signature(getattr(table, name)).parameters[p].default is not inspect.Parameter.empty
                        for p in got[len(want):]), (table.__name__, name)  # extras only as optional knobs
-    assert issubclass(type(lg.HostDevice().kernels), Kernels)
+        assert not BUILT & set(vars(table)), table  # an elementwise kernel is built, never written per backend
+    for kernels in built_tables():
+        for decl in ELEMENTWISE:
+            want = list(decl.signature.parameters)
+            assert list(inspect.signature(getattr(kernels, decl.name)).parameters) == want, (kernels, decl.name)
 
 
 def test_the_host_twin_has_no_launch_shape() -> None:
-    for name in CONTRACT:
+    for name in WRITTEN:
         assert "blocks" not in inspect.signature(getattr(HostKernels, name)).parameters, name
 
 

@@ -1,5 +1,6 @@
 """``ops.copy`` refuses partially overlapping source and destination on both backends, before
-anything is queued; the same memory as both is allowed and leaves it unchanged."""
+anything is queued; the same memory as both is allowed and leaves it unchanged. ``ops.copy_on_cores``
+(the copy by a kernel) refuses any overlap."""
 from __future__ import annotations
 
 from typing import Any
@@ -49,3 +50,21 @@ def test_only_a_partial_overlap_is_refused() -> None:
 @pytest.mark.parametrize("kind", ["device", "pinned"])
 def test_cuda_refuses_partial_overlap(gpu: Any, kind: str) -> None:
     _check_refused_untouched(gpu, kind)
+
+
+def test_copy_on_cores_copies_and_refuses_before_anything_is_queued() -> None:
+    """``ops.copy_on_cores``, the front of the cores' copy kernel: ``ops.copy``'s dtype, size and
+    device rules, and no overlap at all (a kernel's loads and stores are not ordered)."""
+    h = lg.HostDevice()
+    want = np.arange(16, dtype=np.float32)
+    t = lg.from_numpy(want, h, kind="device", name="buf")
+    dst = h.alloc(16, lg.fp32, kind="pinned", name="dst")
+    lg.ops.copy_on_cores(dst, t)
+    np.testing.assert_array_equal(dst.numpy(), want)
+    bad = [((t, t), ValueError, "may not overlap"), ((t.view(0, 8), t.view(4, 8)), ValueError, "may not overlap"),
+           ((dst, t.bitcast(lg.bf16)[:16]), TypeError, "dtype mismatch"), ((dst.view(0, 8), t), ValueError, "size"),
+           ((dst, lg.HostDevice().alloc(16, lg.fp32)), ValueError, "lives on"), ((dst, want), TypeError, "Tensor")]
+    for (d, s), exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            lg.ops.copy_on_cores(d, s)
+    np.testing.assert_array_equal(t.numpy(), want)

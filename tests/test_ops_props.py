@@ -35,6 +35,7 @@ from props import (
 import lowgrad
 from lowgrad import ops
 from lowgrad.sr import reference as R
+from lowgrad.sr.seedcounter import SeedCounter
 
 
 def bad_sr_keywords(draw, fault: str, n: int) -> dict:
@@ -113,7 +114,7 @@ bad_u32 = st.one_of(st.integers(max_value=-1), st.integers(min_value=1 << 32), s
 @st.composite
 def bad_seed_source(draw, count: int, dev: lowgrad.HostDevice):
     """Seeds for ``count`` SR uses that check_seed_source must refuse."""
-    counter = lowgrad.SeedCounter(dev, 1, 0)
+    counter = SeedCounter(dev, 1, 0)
     kind = draw(st.sampled_from(["seed", "count", "counter_type", "layer", "lane", "lanes_len", "device", "shape"]))
     if kind == "seed":
         return [draw(bad_seeds) if i == 0 else 1 for i in range(count)]
@@ -128,7 +129,7 @@ def bad_seed_source(draw, count: int, dev: lowgrad.HostDevice):
     if kind == "lanes_len":
         return (counter, 0, [0] * (count + draw(st.integers(1, 3))))
     if kind == "device":
-        return (lowgrad.SeedCounter(host(), 1, 0), 0, [0] * count)
+        return (SeedCounter(host(), 1, 0), 0, [0] * count)
     return (counter, 0)  # a tuple of the wrong shape
 
 
@@ -141,7 +142,7 @@ def test_bound_sr_launches_reject_bad_seed_sources(count, data) -> None:
              (alloc_filled(dev, 8, lowgrad.bf16, "d") for _ in range(count))]
     rejects(lambda: ops.bind_add_sr_multi(items, data.draw(bad_seed_source(count, dev))), *[it[0] for it in items])
     dst, src = alloc_filled(dev, 4, lowgrad.fp32, "d"), alloc_filled(dev, 8, lowgrad.bf16, "s")
-    rejects(lambda: ops.bind_reduce_sr(dst, src, 2, seed=data.draw(bad_seed_source(1, dev))), dst)
+    rejects(lambda: ops.bind_reduce_sr(dst, src, 2, seeds=data.draw(bad_seed_source(1, dev))), dst)
 
 
 @st.composite

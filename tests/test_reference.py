@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import lowgrad
-from lowgrad.sr import checks as C
 from lowgrad.sr import reference as R
 from lowgrad.sr.philox import sr_noise
 
@@ -101,6 +100,23 @@ def test_add_sr_float32_order() -> None:
     got = R.add_sr(a, b, 1 / 3, 11, 100)
     assert got.dtype == BF and np.array_equal(bits(got), bits(want))
     assert R.add_sr(a.reshape(64, 64), b, 1.0, 0).shape == (64, 64)
+
+
+@pytest.mark.parametrize("out", [lowgrad.bf16, lowgrad.fp32])
+@pytest.mark.parametrize("a_dt", [BF, np.float32])
+def test_scale_sr_is_the_rounding_of_a_float32_product(out, a_dt) -> None:
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(1001).astype(a_dt)
+    want = R.round_sr(a.astype(np.float32) * np.float32(-0.3), 42, 7, out)
+    got = R.scale_sr(a, -0.3, 42, 7, out)
+    assert got.dtype == want.dtype and np.array_equal(bits(got), bits(want))
+    assert np.array_equal(bits(R.scale_sr(a[5:], -0.3, 42, 12, out)), bits(got[5:]))  # noise by index only
+    with pytest.raises(ValueError, match="float32"):
+        R.scale_sr(a, 1e39, 0)
+    with pytest.raises(TypeError):
+        R.scale_sr(a, 1.0, 0, 0, lowgrad.fp16)
+    with pytest.raises(ValueError, match="index_offset"):
+        R.scale_sr(a, 1.0, 0, 2**64 - 1000)
 
 
 @pytest.mark.parametrize("n_shards,skip,accumulate", [(1, -1, False), (1, 0, True), (4, -1, True),
@@ -204,11 +220,10 @@ def test_reduce_sr_bad_arguments(change, exc) -> None:
 
 
 def test_check_helpers_take_sizes_and_dtypes() -> None:
-    assert C.check_add_sr_args(5, 5, 5, "bf16", lowgrad.fp32, np.float32, 2, 7, 3) == (2.0, 7, 3)
-    assert C.check_reduce_sr_args(4, 8, lowgrad.bf16, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0) == (2, 1, 1.0, True, 0, 0)
-    with pytest.raises(ValueError):
-        C.check_add_sr_args(5, 5, 4, "bf16", "bf16", "bf16", 1.0, 0, 0)
+    assert R.check_reduce_sr_args(4, 8, lowgrad.bf16, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0) == (2, 1, 1.0, True, 0, 0)
+    with pytest.raises(ValueError, match="size mismatch"):
+        R.add_sr(np.zeros(5, np.float32), np.zeros(4, np.float32), 1.0, 0)
     with pytest.raises(TypeError):
-        C.check_reduce_sr_args(4, 8, lowgrad.fp8_e4m3, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0)
+        R.check_reduce_sr_args(4, 8, lowgrad.fp8_e4m3, lowgrad.bf16, 2, 1, 1.0, 1, 0, 0)
     with pytest.raises(TypeError):
         R.round_sr(np.zeros(3, np.float64), 0, 0, lowgrad.bf16)

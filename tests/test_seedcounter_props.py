@@ -1,4 +1,4 @@
-"""The device-side seed counter (``lowgrad.SeedCounter``): range checks of base seed and step.
+"""The device-side seed counter (``lowgrad.sr.seedcounter.SeedCounter``): range checks of base seed and step.
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from props import FEW, U64, host
 
-import lowgrad
+from lowgrad.sr.seedcounter import SeedCounter
 
 
 @FEW
@@ -16,6 +16,6 @@ import lowgrad
 def test_seed_counter_rejects_out_of_range_base_and_step(bad_base, ok_step, bad_step, ok_base) -> None:
     dev = host()
     with pytest.raises(ValueError):
-        lowgrad.SeedCounter(dev, bad_base, ok_step)
+        SeedCounter(dev, bad_base, ok_step)
     with pytest.raises(ValueError):
-        lowgrad.SeedCounter(dev, ok_base, bad_step)
+        SeedCounter(dev, ok_base, bad_step)

@@ -108,13 +108,3 @@ def test_rounding_misuse() -> None:
             other.load_state_dict({**state, "rounding": ["sr"]})
         gm.close(), other.close()
     lg.run_threads(1, job)
-
-
-@pytest.mark.parametrize("module", ["add_sr", "reduce_sr", "seed_counter"])
-def test_the_kernels_and_the_host_name_the_same_modes(module: str) -> None:
-    """sr.cuh's ROUND_* and LD_STEP, as every kernel that includes it reads them, are the host's."""
-    from lowgrad.cuda.compiler import constants
-    from lowgrad.sr.seedcounter import COUNTER_DTYPE, ROUNDINGS
-    c = constants(module)
-    assert {name: c[f"ROUND_{name.upper()}"] for name in ROUNDINGS} == ROUNDINGS
-    assert c["LD_STEP"] == LD_STEP and COUNTER_DTYPE.itemsize == 24  # struct SeedCounter: u64 + 4 x u32

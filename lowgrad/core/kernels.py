@@ -1,20 +1,25 @@
 """The kernel table contract: what :attr:`lowgrad.core.backend.DeviceBase.kernels` returns on
 every backend (CUDA: NVRTC-compiled kernels, ``lowgrad.cuda.kernels.CudaKernels``; host: the
 numpy reference, ``lowgrad.host.kernels.HostKernels``). :mod:`lowgrad.ops` checks every argument
-(:mod:`lowgrad.sr.checks`) and then calls in here, so implementations may assume: tensors are
-live, on this device, in memory its kernels can access, of the dtypes and sizes stated, and the
-ints and floats in range. ``stream`` is always a raw stream handle (int); work is queued on it
-in order with the stream's other work (the host backend completes it before returning). How a
-kernel is launched (grid, block, chunking) is the backend's own business and no part of this
-contract.
+and then calls in here, so implementations may assume: tensors are live, on this device, in
+memory its kernels can access, of the dtypes and sizes stated, and the ints and floats in range.
+``stream`` is always a raw stream handle (int); work is queued on it in order with the stream's
+other work (the host backend completes it before returning). How a kernel is launched (grid,
+block, chunking) is the backend's own business and no part of this contract.
+
+An elementwise kernel is declared here (:func:`elementwise`) rather than written per backend:
+each backend builds it from the declaration once, at construction (:meth:`Kernels.build`).
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, overload
 
 from lowgrad.core.tensor import Tensor
+
+P = ParamSpec("P")
 
 #: the seeds of bound SR launches (``lowgrad.ops.check_seed_source`` makes it): ``(None, 0, one
 #: fixed seed per SR use)``, or ``(counter, layer, one lane per SR use)`` with a
@@ -22,12 +27,72 @@ from lowgrad.core.tensor import Tensor
 SeedSource = tuple[Any, int, list[int]]
 
 
+class Elementwise(Generic[P]):
+    """An elementwise kernel of the contract: the declared method's signature and docstring are
+    its specification; each backend builds it from this declaration (:meth:`Kernels.build`).
+
+    The method's arguments are its tensors (``dst`` first: ``n = dst.numel`` elements are
+    written), then scalars, with ``seed`` and ``index_offset`` (element ``i`` rounds with the
+    noise of ``seed`` at index ``index_offset + i``), then ``stream``. Its CUDA entry points are
+    ``<name>_<tag>...`` with one dtype tag per tensor, in order
+    (:func:`lowgrad.core.kernel_source.kernel_for`), whose parameters are the method's arguments
+    by name (tensors as pointers), ``n``, and the names of ``unset`` (passed as 0). Its host twin
+    is the function ``<name>`` of :mod:`lowgrad.sr.reference`, given the arguments by name
+    (tensors as flat arrays; ``dst`` as ``out_dtype`` when the function does not read it) and the
+    rounding of ``seed``; ``dst`` takes its result.
+
+    Accessed on a backend's instance, the name is the function that backend built (stored on the
+    instance, so a call costs no lookup beyond the attribute's); on the class, this declaration.
+    """
+
+    def __init__(self, method: Callable[Concatenate[Any, P], None], tensors: tuple[str, ...],
+                 unset: tuple[str, ...]) -> None:
+        params = list(inspect.signature(method).parameters)
+        self.name, self.__doc__ = method.__name__, method.__doc__
+        #: the signature of the built function (the method's, without ``self``)
+        self.signature = inspect.signature(method).replace(
+            parameters=list(inspect.signature(method).parameters.values())[1:])
+        #: the kernel's arguments in order: the method's between ``self`` and ``stream``
+        self.args: tuple[str, ...] = tuple(params[1:-1])
+        self.tensors, self.unset = tensors, unset
+        if params[-1] != "stream" or self.args[:len(tensors)] != tensors or tensors[:1] != ("dst",) \
+                or not {"seed", "index_offset"} <= set(self.args):
+            raise TypeError(f"{self.name}: an elementwise kernel takes (dst, other tensors, scalars with seed and "
+                            f"index_offset, stream), got {params} with tensors {tensors}")
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Elementwise[P]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> Callable[P, None]: ...
+
+    def __get__(self, obj: object, owner: type) -> Elementwise[P] | Callable[P, None]:
+        if obj is None:
+            return self
+        raise AttributeError(f"{type(obj).__name__} has no {self.name}: Kernels.__init__ builds it")
+
+
+def elementwise(*tensors: str, unset: tuple[str, ...] = ()
+                ) -> Callable[[Callable[Concatenate[Any, P], None]], Elementwise[P]]:
+    """Declare the method below as an :class:`Elementwise` kernel whose tensor arguments are
+    ``tensors`` (``dst`` first); ``unset``: parameters of its entry points a call leaves 0."""
+    return lambda method: Elementwise(method, tensors, unset)
+
+
 class Kernels(ABC):
     """A backend's kernels. Both backends derive from this class; results are bit for bit the
     same on both (the numpy reference :mod:`lowgrad.sr.reference` defines them), except the last
     bits of :meth:`norm_squared`, whose summation order is the backend's."""
 
+    def __init__(self) -> None:
+        for kernel in ELEMENTWISE:
+            self.__dict__[kernel.name] = self.build(kernel)
+
     @abstractmethod
+    def build(self, kernel: Elementwise[...]) -> Callable[..., None]:
+        """This backend's function for the elementwise ``kernel``, with its signature; called once
+        per kernel at construction."""
+
+    @elementwise("dst", "a", "b")  # noqa: B027 - a declaration, built by each backend
     def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
                stream: int) -> None:
         """``dst = SR((a + b) * scale)`` elementwise in float32 on ``stream``: three tensors of
@@ -35,7 +100,13 @@ class Kernels(ABC):
         ``scale`` finite in float32; element ``i`` rounds with the noise of seed ``seed`` (64-bit)
         and index ``index_offset + i`` (< 2**64)."""
 
-    @abstractmethod
+    @elementwise("dst", "a")  # noqa: B027 - a declaration, built by each backend
+    def scale_sr(self, dst: Tensor, a: Tensor, scale: float, seed: int, index_offset: int, stream: int) -> None:
+        """``dst = SR(a * scale)`` elementwise in float32 on ``stream``: two tensors of ``n``
+        elements (fp32 or bf16 each; ``dst`` may alias ``a`` exactly); scale and noise as in
+        :meth:`add_sr`."""
+
+    @elementwise("dst", "src", unset=("counter", "layer", "lane"))  # noqa: B027 - a declaration, built by each backend
     def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                   seed: int, index_offset: int, stream: int) -> None:
         """``dst = SR(((dst if accumulate else +0) + sum_{k != skip} src[k]) * scale)`` on
@@ -60,13 +131,13 @@ class Kernels(ABC):
 
     @abstractmethod
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
-        """:meth:`reduce_sr` fixed now, ``seed`` as ``(None, 0, [seed])`` or ``(counter, layer,
+                       index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
+        """:meth:`reduce_sr` fixed now, ``seeds`` as ``(None, 0, [seed])`` or ``(counter, layer,
         [lane])``: the returned ``f(stream)`` queues it (ClosedError as :meth:`bind_add_sr`)."""
 
     @abstractmethod
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
-        """Update the 24-byte seed counter ``counter`` (``COUNTER_DTYPE`` of
+        """Update the seed counter ``counter`` (one ``COUNTER_DTYPE`` record of
         :mod:`lowgrad.sr.seedcounter`) on ``stream``: op ``SET`` to ``(base, step, micro 0,
         mode)``, ``NEXT_MICRO`` or ``NEXT_STEP``."""
 
@@ -77,12 +148,17 @@ class Kernels(ABC):
     @abstractmethod
     def copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
         """Copy the ``src.nbytes`` bytes of ``src`` into ``dst`` (as many bytes; the two do not
-        overlap) on ``stream``, with the GPU's cores rather than a copy engine: a copy engine is
-        one queue shared by every stream of the process, so a copy queued there can wait behind
-        another rank's (the loopback communicator's graph replays)."""
+        overlap) on ``stream``, with the GPU's cores rather than a copy engine (its front is
+        ``lowgrad.ops.copy_on_cores``): a copy engine is one queue shared by every stream of the
+        process, so a copy queued there can wait behind another rank's (the loopback
+        communicator's graph replays)."""
 
     @abstractmethod
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         """``out[0] = (out[0] if accumulate else 0) + sum(x**2)`` on ``stream``: ``x`` fp32 or
         bf16, ``out`` one fp32 or fp64 element (the accumulation type). Deterministic for a given
         backend, device and size."""
+
+
+#: the elementwise kernels of the contract, in declaration order
+ELEMENTWISE: tuple[Elementwise[...], ...] = tuple(v for v in vars(Kernels).values() if isinstance(v, Elementwise))

@@ -1,10 +1,9 @@
-"""NVRTC compilation of lowgrad's kernels (``kernels/*.cu``) to cubins, and the table of their
-entry points.
+"""NVRTC compilation of lowgrad's kernels (``kernels/*.cu``) to cubins.
 
 No GPU is needed: :func:`compile_kernels` builds every kernel module (each ``.cu`` file of
 :func:`kernel_dir`) for an architecture such as ``"sm_90"``, through the on-disk cache of
-:mod:`lowgrad.cuda.cache`. :func:`kernel_specs` describes every ``extern "C"`` entry point as the
-sources declare it (:mod:`lowgrad.cuda.abi`): module, symbol, parameters, block size.
+:mod:`lowgrad.cuda.cache`. The sources' entry points and constants are read by
+:mod:`lowgrad.core.kernel_source` (re-exported here for the CUDA layer's users).
 """
 from __future__ import annotations
 
@@ -14,88 +13,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lowgrad.core.dtypes import as_dtype
 from lowgrad.core.errors import NvrtcError
+from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_dir, kernel_for, kernel_specs, modules
 from lowgrad.cuda import cache
-from lowgrad.cuda.abi import KernelSpec, read_kernels
 from lowgrad.cuda.cache import cache_dir, check_cache, clear_memory_cache
 
-__all__ = ["BASE_OPTIONS", "KernelSpec", "add_sr_multi_spec", "add_sr_spec", "cache_dir", "check_cache",
-           "clear_memory_cache", "compile_cuda", "compile_kernels", "compile_source", "constants", "kernel",
-           "kernel_dir", "kernel_specs", "modules", "norm_squared_specs", "nvrtc_identity", "nvrtc_version",
-           "options", "reduce_sr_spec"]
+__all__ = ["BASE_OPTIONS", "KernelSpec", "cache_dir", "check_cache", "clear_memory_cache", "compile_cuda",
+           "compile_kernels", "compile_source", "constants", "kernel", "kernel_dir", "kernel_for", "kernel_specs",
+           "modules", "nvrtc_identity", "nvrtc_version", "options"]
 
 BASE_OPTIONS: tuple[str, ...] = ("-default-device", "--std=c++17", "--dopt=on", "--ptxas-options=-O3",
                                  "--ftz=false")
 _ARCH = re.compile(r"sm_\d{2,3}[af]?")
 _INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
-_TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}  # dtype -> the suffix in kernel symbols
-
-
-# ---- locations and the kernel table ----------------------------------------------------------------
-@functools.cache
-def kernel_dir() -> Path:
-    """The kernel sources: ``lowgrad/kernels`` in an installed wheel, ``<repo>/kernels`` in a checkout
-    (looked up once per process: every kernel lookup goes through here)."""
-    package = Path(__file__).resolve().parents[1]  # lowgrad/
-    candidates = (package / "kernels", package.parent / "kernels")
-    for d in candidates:
-        if (d / "add_sr.cu").is_file():
-            return d
-    raise FileNotFoundError(f"lowgrad kernel sources not found in {' or '.join(map(str, candidates))}")
-
-@functools.cache
-def modules() -> tuple[str, ...]:
-    """The kernel modules: the stem of every ``.cu`` file in :func:`kernel_dir`, sorted."""
-    return tuple(sorted(p.stem for p in kernel_dir().glob("*.cu")))
-
-
-def kernel_specs() -> dict[str, KernelSpec]:
-    """Every kernel entry point by symbol, read from the sources (:mod:`lowgrad.cuda.abi`)."""
-    return read_kernels(kernel_dir(), modules())[0]
-
-
-def constants(module: str) -> dict[str, int]:
-    """The integer enum constants of ``kernels/<module>.cu`` and the headers it includes."""
-    return read_kernels(kernel_dir(), modules())[1][module]
-
-
-def kernel(symbol: str) -> KernelSpec:
-    """The entry point ``symbol``; ValueError when no source defines it."""
-    spec = kernel_specs().get(symbol)
-    if spec is None:
-        raise ValueError(f"no kernel {symbol!r} in {kernel_dir()}")
-    return spec
-
-
-def _typed(what: str, stem: str, *dtypes: Any) -> KernelSpec:
-    """The kernel ``stem`` + ``_<tag>`` per dtype; TypeError when the sources have none for them."""
-    ds = [as_dtype(d) for d in dtypes]
-    spec = kernel_specs().get("_".join([stem, *(_TAG.get(d.name, d.name) for d in ds)]))
-    if spec is None:
-        raise TypeError(f"{what}: no kernel for dtypes ({', '.join(d.name for d in ds)})")
-    return spec
-
-
-def add_sr_spec(dst_dtype: Any, a_dtype: Any, b_dtype: Any) -> KernelSpec:
-    """The ``add_sr`` kernel for these dtypes (fp32 or bf16 each)."""
-    return _typed("add_sr", "add_sr", dst_dtype, a_dtype, b_dtype)
-
-
-def add_sr_multi_spec(dst_dtype: Any, b_dtype: Any) -> KernelSpec:
-    """The multi-tensor ``add_sr`` (``dst`` and ``a`` of one dtype, ``b`` fp32 or bf16)."""
-    return _typed("add_sr_multi", "add_sr_multi", dst_dtype, dst_dtype, b_dtype)
-
-
-def reduce_sr_spec(dst_dtype: Any, src_dtype: Any) -> KernelSpec:
-    """The ``reduce_sr`` kernel for these dtypes (fp32 or bf16 each)."""
-    return _typed("reduce_sr", "reduce_sr", dst_dtype, src_dtype)
-
-
-def norm_squared_specs(x_dtype: Any, acc_dtype: Any) -> tuple[KernelSpec, KernelSpec]:
-    """Stage 1 and stage 2 of ``norm_squared`` for ``x`` (fp32/bf16) accumulated in fp32 or fp64."""
-    return (_typed("norm_squared", "norm_squared", x_dtype, acc_dtype),
-            _typed("norm_squared accumulator", "norm_squared_finish", acc_dtype))
 
 
 # ---- NVRTC -------------------------------------------------------------------------------------------

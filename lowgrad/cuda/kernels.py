@@ -8,6 +8,7 @@ call); everything else goes through cuda.bindings.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 import threading
 from collections.abc import Callable
@@ -16,19 +17,12 @@ from typing import Any
 from lowgrad.core import capture, trace
 from lowgrad.core.dtypes import DType
 from lowgrad.core.errors import ClosedError
-from lowgrad.core.kernels import Kernels, SeedSource
+from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.cuda import driver as _cuda
-from lowgrad.cuda.compiler import (
-    KernelSpec,
-    add_sr_multi_spec,
-    add_sr_spec,
-    compile_kernels,
-    constants,
-    kernel,
-    norm_squared_specs,
-    reduce_sr_spec,
-)
+from lowgrad.cuda.compiler import compile_kernels
+from lowgrad.sr.checks import SR_DTYPES
 
 GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
 NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
@@ -118,7 +112,7 @@ class CudaKernels(Kernels):
         self.device = device
         self._modules = {name: _cuda.check("cuModuleLoadData", drv.cuModuleLoadData(cubin))
                          for name, cubin in compile_kernels(device.arch).items()}
-        self._kernels: dict[Any, Kernel] = {}
+        self._kernels: dict[str, Kernel] = {}
         self._norm_kernels: dict[tuple[DType, DType], tuple[Kernel, Kernel]] = {}
         self._workspaces: dict[tuple[int, DType], Tensor] = {}
         self._resident: dict[int, int] = {}
@@ -128,6 +122,7 @@ class CudaKernels(Kernels):
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
         self._fill, self._copy, self._philox, self._seed_counter = (
             kernel(name) for name in ("fill_u8", "copy_u8", "philox_kat", "seed_counter"))
+        super().__init__()
 
     def kernel(self, spec: KernelSpec) -> Kernel:
         """The cached :class:`Kernel` for ``spec``."""
@@ -141,20 +136,50 @@ class CudaKernels(Kernels):
                     k = self._kernels[spec.symbol] = Kernel(spec, func)
         return k
 
-    def _by_dtypes(self, key: tuple[Any, ...]) -> Kernel:
-        k = self._kernels.get(key)
-        if k is None:
-            spec = add_sr_spec(*key[1:]) if key[0] == "add_sr" else reduce_sr_spec(*key[1:])
-            k = self._kernels[key] = self.kernel(spec)
-        return k
+    def build(self, kernel: Elementwise[...]) -> Callable[..., None]:
+        """The elementwise ``kernel`` as a function of the contract's arguments, generated from its
+        declaration and its entry points' parameters: a call does what a hand-written launch
+        method did (the dtypes' kernel from a dict, the pointers, one :meth:`Kernel.launch` with
+        the arguments in the entry point's order), with no per-call mapping of names to
+        parameters. ValueError when an entry point's parameters are not the declared ones."""
+        name, ts = kernel.name, kernel.tensors
+        want = {*kernel.args, "n", *kernel.unset}
+        order: tuple[str, ...] = ()
+        for dtypes in itertools.product(SR_DTYPES, repeat=len(ts)):  # every dtype mix the front lets through
+            spec = kernel_for(name, *dtypes)
+            got = tuple(p.name for p in spec.params)
+            if set(got) != want or len(got) != len(want) or order and got != order:
+                raise ValueError(f"{spec.symbol} takes {list(got)}; the contract's {name} needs "
+                                 f"{sorted(want)} in the order of every {name} entry point")
+            order = got
+        table: dict[tuple[DType, ...], Kernel] = {}
+
+        def load(key: tuple[DType, ...]) -> Kernel:
+            k = table[key] = self.kernel(kernel_for(name, *key))
+            return k
+        value = {a: f"p_{a}" if a in ts else a for a in (*kernel.args, "n")} | dict.fromkeys(kernel.unset, "0")
+        key = "(" + "".join(f"{t}.dtype, " for t in ts) + ")"
+        source = (f"def {name}({', '.join(kernel.args)}, stream):\n"
+                  f"    k = table.get({key})\n"
+                  f"    if k is None:\n"
+                  f"        k = load({key})\n"
+                  f"    {''.join(f'p_{t}, ' for t in ts)}= {''.join(f'{t}.ptr, ' for t in ts)}\n"
+                  f"    n = dst.numel\n"
+                  f"    if n:\n"
+                  f"        k.launch(grid(n, k.block), stream, {', '.join(value[p] for p in order)})\n")
+        scope: dict[str, Any] = {"table": table, "load": load, "grid": self.grid}
+        exec(compile(source, f"<lowgrad elementwise kernel {name}>", "exec"), scope)
+        fn: Callable[..., None] = scope[name]
+        fn.__doc__ = kernel.__doc__
+        return fn
 
     def _norm_stages(self, x_dtype: DType, out_dtype: DType) -> tuple[Kernel, Kernel]:
         """norm_squared's two stages for these dtypes, looked up once."""
         key = (x_dtype, out_dtype)
         stages = self._norm_kernels.get(key)
         if stages is None:
-            s1, s2 = norm_squared_specs(x_dtype, out_dtype)
-            stages = self._norm_kernels[key] = (self.kernel(s1), self.kernel(s2))
+            stages = self._norm_kernels[key] = (self.kernel(kernel_for("norm_squared", x_dtype, out_dtype)),
+                                                self.kernel(kernel_for("norm_squared_finish", out_dtype)))
         return stages
 
     def blocks(self, n: int, block: int) -> int:
@@ -168,27 +193,10 @@ class CudaKernels(Kernels):
         g = self.blocks(n, block)
         return g if g < self.max_grid else self.max_grid
 
-    def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
-               stream: int) -> None:
-        n = dst.numel
-        k = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype))
-        p, pa, pb = dst.ptr, a.ptr, b.ptr
-        if n:
-            k.launch(self.grid(n, k.block), stream, p, pa, pb, scale, seed, index_offset, n)
-
-    def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                  seed: int, index_offset: int, stream: int) -> None:
-        n = dst.numel
-        k = self._by_dtypes(("reduce_sr", dst.dtype, src.dtype))
-        p, ps = dst.ptr, src.ptr
-        if n:
-            k.launch(self.grid(n, k.block), stream, p, ps, n_shards, skip, scale, int(accumulate), seed, index_offset,
-                     n, 0, 0, 0)
-
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
         """``f(seed, stream)``: this add_sr with its pointers, grid and constants fixed."""
-        k, n = self._by_dtypes(("add_sr", dst.dtype, a.dtype, b.dtype)), dst.numel
+        k, n = self.kernel(kernel_for("add_sr", dst.dtype, a.dtype, b.dtype)), dst.numel
         grid, p, pa, pb, launch = self.grid(n, k.block), dst.ptr, a.ptr, b.ptr, k.launch
         allocs = (dst.allocation, a.allocation, b.allocation)
 
@@ -205,7 +213,7 @@ class CudaKernels(Kernels):
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
         read on the device when the kernel runs). The grid is the resident one; ``blocks``
         overrides it (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
-        spec = add_sr_multi_spec(items[0][0].dtype, items[0][2].dtype)
+        spec = kernel_for("add_sr_multi", items[0][0].dtype, items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
         counter, layer, cols_seed = seeds
         counter_ptr, counter_alloc = _counter_args(counter)
@@ -246,12 +254,12 @@ class CudaKernels(Kernels):
         return n
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
-        """``f(stream)``: this reduce_sr packed once; ``seed``: ``(None, 0, [seed])`` or
+                       index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
+        """``f(stream)``: this reduce_sr packed once; ``seeds``: ``(None, 0, [seed])`` or
         ``(counter, layer, [lane])``."""
-        spec, n = reduce_sr_spec(dst.dtype, src.dtype), dst.numel
+        spec, n = kernel_for("reduce_sr", dst.dtype, src.dtype), dst.numel
         k = Kernel(spec, self.kernel(spec).func)
-        counter, layer, (s,) = seed
+        counter, layer, (s,) = seeds
         counter_ptr, counter_alloc = _counter_args(counter)
         k.pack(dst.ptr, src.ptr, n_shards, skip, scale, int(accumulate), s, index_offset, n, counter_ptr, layer, s)
         grid, allocs = self.grid(n, spec.block), (dst.allocation, src.allocation) + counter_alloc

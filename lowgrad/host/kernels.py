@@ -1,12 +1,14 @@
 """The host backend's kernels: the numpy reference applied in place to host tensors (eager)."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from lowgrad.core import trace
-from lowgrad.core.kernels import Kernels, SeedSource
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, Rounding, apply_op
@@ -23,34 +25,44 @@ def _trace(name: str, t: Tensor, stream: int) -> None:
     trace.log("kernel", name, dst=t.name, numel=t.numel, dtype=t.dtype.name, stream=hex(stream))
 
 
+class Twin:
+    """The host twin of an elementwise kernel (:class:`~lowgrad.core.kernels.Elementwise`): its
+    reference function applied to the kernel's arguments, the result written to ``dst``. Called
+    like the contract's method (the rounding of ``seed``), or through :meth:`apply` with a
+    rounding (a bound launch's, maybe from a seed counter)."""
+
+    def __init__(self, kernel: Elementwise[...]) -> None:
+        self.name, self.tensors = kernel.name, kernel.tensors
+        self.fn: Callable[..., np.ndarray] = getattr(reference, kernel.name)
+        takes = inspect.signature(self.fn).parameters
+        # the kernel's arguments the reference reads (dst only where it is an input), by name
+        self.args = tuple(a for a in kernel.args if a in takes and a != "seed")
+        self.out_dtype = "dst" not in takes
+        self.__signature__ = kernel.signature
+
+    def __call__(self, *args: Any) -> None:
+        *values, stream = args
+        named = dict(zip(self.__signature__.parameters, values))
+        self.apply(named, Rounding(named["seed"]), stream)
+
+    def apply(self, named: dict[str, Any], rd: Rounding, stream: int) -> None:
+        """The kernel on ``named`` arguments (those of the contract's method) with rounding ``rd``."""
+        dst = named["dst"]
+        if trace.ENABLED:
+            _trace(self.name, dst, stream)
+        kw = {a: named[a].numpy().reshape(-1) if a in self.tensors else named[a] for a in self.args}
+        if self.out_dtype:
+            kw["out_dtype"] = dst.dtype
+        dst.numpy().reshape(-1)[:] = self.fn(**kw, seed=rd.seed, shift=rd.shift, nearest=rd.nearest)
+
+
 class HostKernels(Kernels):
     """The :class:`~lowgrad.core.kernels.Kernels` contract on host memory, eagerly: arguments
     arrive checked by :mod:`lowgrad.ops`; each call (and each bound launch) completes before
     returning, whatever the stream."""
 
-    def add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, seed: int, index_offset: int,
-               stream: int) -> None:
-        self._add_sr(dst, a, b, scale, Rounding(seed), index_offset, stream)
-
-    def _add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, rd: Rounding, index_offset: int,
-                stream: int) -> None:
-        if trace.ENABLED:
-            _trace("add_sr", dst, stream)
-        out = reference.add_sr(a.numpy().reshape(-1), b.numpy().reshape(-1), scale, rd.seed, index_offset, dst.dtype,
-                               rd.shift, rd.nearest)
-        dst.numpy().reshape(-1)[:] = out
-
-    def reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                  seed: int, index_offset: int, stream: int) -> None:
-        self._reduce_sr(dst, src, n_shards, skip, scale, accumulate, Rounding(seed), index_offset, stream)
-
-    def _reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                   rd: Rounding, index_offset: int, stream: int) -> None:
-        if trace.ENABLED:
-            _trace("reduce_sr", dst, stream)
-        d = dst.numpy().reshape(-1)
-        d[:] = reference.reduce_sr(d, src.numpy().reshape(-1), n_shards, skip, scale, accumulate, rd.seed,
-                                   index_offset, rd.shift, rd.nearest)
+    def build(self, kernel: Elementwise[...]) -> Twin:
+        return Twin(kernel)
 
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
@@ -58,15 +70,19 @@ class HostKernels(Kernels):
 
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource
                           ) -> Callable[[int], None]:
+        twin: Twin = self.__dict__["add_sr"]
+
         def run(stream: int) -> None:
             for (dst, a, b, off), rd in zip(items, _roundings(seeds)):
-                self._add_sr(dst, a, b, scale, rd, off, stream)
+                twin.apply({"dst": dst, "a": a, "b": b, "scale": scale, "index_offset": off}, rd, stream)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
-                       index_offset: int, seed: SeedSource) -> Callable[[int], None]:
-        return lambda stream: self._reduce_sr(dst, src, n_shards, skip, scale, accumulate, _roundings(seed)[0],
-                                              index_offset, stream)
+                       index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
+        twin: Twin = self.__dict__["reduce_sr"]
+        named = {"dst": dst, "src": src, "n_shards": n_shards, "skip": skip, "scale": scale, "accumulate": accumulate,
+                 "index_offset": index_offset}
+        return lambda stream: twin.apply(named, _roundings(seeds)[0], stream)
 
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         if trace.ENABLED:

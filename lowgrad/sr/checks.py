@@ -1,7 +1,8 @@
-"""The argument rules of the SR kernels, written once: :mod:`lowgrad.ops` (tensors on either
-backend) and :mod:`lowgrad.sr.reference` (numpy arrays) both call these, so one value is
+"""The value rules of the SR kernels' arguments, written once: :mod:`lowgrad.ops` (tensors on
+either backend) and :mod:`lowgrad.sr.reference` (numpy arrays) both call these, so one value is
 accepted or refused the same way everywhere. Checks look at ints, floats, dtypes and element
-counts only; they return the value in the form the kernels take.
+counts only; they return the value in the form the kernels take. A kernel's own rules (sizes,
+shard counts) are with its reference function.
 """
 from __future__ import annotations
 
@@ -71,32 +72,3 @@ def check_u32(value: Any, what: str) -> int:
     if not 0 <= v < U32:
         raise ValueError(f"{what} must be an int in [0, 2**32), got {value!r}")
     return v
-
-
-def check_add_sr_args(n_dst: int, n_a: int, n_b: int, dst_dtype: Any, a_dtype: Any, b_dtype: Any, scale: Any,
-                      seed: Any, index_offset: Any) -> tuple[float, int, int]:
-    """``add_sr`` from element counts and dtypes; returns ``(scale, seed, index_offset)``."""
-    for d, what in ((dst_dtype, "dst"), (a_dtype, "a"), (b_dtype, "b")):
-        check_sr_dtype(d, what)
-    if not n_dst == n_a == n_b:
-        raise ValueError(f"add_sr size mismatch: dst {n_dst}, a {n_a}, b {n_b} elements")
-    return check_scale(scale), check_seed(seed), check_index_offset(index_offset, n_dst)
-
-
-def check_reduce_sr_args(n_dst: int, n_src: int, dst_dtype: Any, src_dtype: Any, n_shards: Any, skip: Any,
-                         scale: Any, accumulate: Any, seed: Any,
-                         index_offset: Any) -> tuple[int, int, float, bool, int, int]:
-    """``reduce_sr`` from element counts and dtypes; returns
-    ``(n_shards, skip, scale, accumulate, seed, index_offset)``."""
-    check_sr_dtype(dst_dtype, "dst")
-    check_sr_dtype(src_dtype, "src")
-    shards = check_int(n_shards, "n_shards")
-    if not 1 <= shards < U32:
-        raise ValueError(f"n_shards must be in [1, 2**32), got {shards}")
-    sk = check_int(skip, "skip")
-    if not -1 <= sk < shards:
-        raise ValueError(f"skip {sk} outside [-1, {shards})")
-    if n_src != shards * n_dst:
-        raise ValueError(f"reduce_sr: src has {n_src} elements, not n_shards ({shards}) x dst ({n_dst})")
-    return (shards, sk, check_scale(scale), check_accumulate(accumulate), check_seed(seed),
-            check_index_offset(index_offset, n_dst))

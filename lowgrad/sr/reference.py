@@ -1,11 +1,13 @@
 """The executable definition of lowgrad's kernels in numpy (docs/design.md, "Stochastic rounding" and
-"Kernels"); the device kernels match it bit for bit.
+"Kernels"); the device kernels match it bit for bit, and the host backend runs these functions as
+its kernels (an elementwise kernel's host twin is the function of its name here, see
+:class:`lowgrad.core.kernels.Elementwise`).
 
 Float32 operation order, which the kernels follow exactly: ``add_sr`` computes
-``(float(a) + float(b)) * scale``; ``reduce_sr`` starts from ``float(dst)`` (accumulate) or
-``+0.0``, adds ``float(src[k])`` for ``k = 0 .. n_shards - 1`` except ``skip``, then multiplies by
-``scale``. Arguments are checked by :mod:`lowgrad.sr.checks`, the rules :mod:`lowgrad.ops` applies
-too.
+``(float(a) + float(b)) * scale``; ``scale_sr`` ``float(a) * scale``; ``reduce_sr`` starts from
+``float(dst)`` (accumulate) or ``+0.0``, adds ``float(src[k])`` for ``k = 0 .. n_shards - 1``
+except ``skip``, then multiplies by ``scale``. Each function checks its arguments with the value
+rules of :mod:`lowgrad.sr.checks`, which :mod:`lowgrad.ops` applies too.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from lowgrad.core.dtypes import bf16, fp32
+from lowgrad.core.limits import U32
 from lowgrad.sr.checks import (
-    check_add_sr_args,
+    check_accumulate,
     check_index_offset,
-    check_reduce_sr_args,
+    check_int,
+    check_scale,
     check_seed,
     check_sr_dtype,
 )
@@ -65,11 +69,45 @@ def add_sr(a: np.ndarray, b: np.ndarray, scale: float, seed: int, index_offset: 
     bf16), element ``i`` with the noise of index ``index_offset + i``; shape of ``a``;
     ``shift`` and ``nearest`` as in :func:`round_sr`."""
     a, b = _array(a, "a"), _array(b, "b")
-    scale, seed, index_offset = check_add_sr_args(a.size, a.size, b.size, out_dtype, a.dtype, b.dtype, scale,
-                                                  seed, index_offset)
+    check_sr_dtype(out_dtype, "out_dtype")
+    if a.size != b.size:
+        raise ValueError(f"add_sr size mismatch: a {a.size}, b {b.size} elements")
+    scale, seed, index_offset = check_scale(scale), check_seed(seed), check_index_offset(index_offset, a.size)
     with np.errstate(over="ignore", invalid="ignore"):  # IEEE results (Inf, NaN), as on the device
         v = (a.astype(np.float32).reshape(-1) + b.astype(np.float32).reshape(-1)) * np.float32(scale)
     return round_sr(v, seed, index_offset, out_dtype, shift, nearest).reshape(a.shape)
+
+
+def scale_sr(a: np.ndarray, scale: float, seed: int, index_offset: int = 0, out_dtype: Any = bf16,
+             shift: int = 0, nearest: bool = False) -> np.ndarray:
+    """``SR(float32(a) * float32(scale))`` elementwise as ``out_dtype`` (fp32 or bf16), element
+    ``i`` with the noise of index ``index_offset + i``; shape of ``a``; ``shift`` and ``nearest``
+    as in :func:`round_sr`."""
+    a = _array(a, "a")
+    check_sr_dtype(out_dtype, "out_dtype")
+    scale, seed, index_offset = check_scale(scale), check_seed(seed), check_index_offset(index_offset, a.size)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = a.astype(np.float32).reshape(-1) * np.float32(scale)
+    return round_sr(v, seed, index_offset, out_dtype, shift, nearest).reshape(a.shape)
+
+
+def check_reduce_sr_args(n_dst: int, n_src: int, dst_dtype: Any, src_dtype: Any, n_shards: Any, skip: Any,
+                         scale: Any, accumulate: Any, seed: Any,
+                         index_offset: Any) -> tuple[int, int, float, bool, int, int]:
+    """:func:`reduce_sr`'s arguments from element counts and dtypes (also :mod:`lowgrad.ops`'
+    rule for tensors); returns ``(n_shards, skip, scale, accumulate, seed, index_offset)``."""
+    check_sr_dtype(dst_dtype, "dst")
+    check_sr_dtype(src_dtype, "src")
+    shards = check_int(n_shards, "n_shards")
+    if not 1 <= shards < U32:
+        raise ValueError(f"n_shards must be in [1, 2**32), got {shards}")
+    sk = check_int(skip, "skip")
+    if not -1 <= sk < shards:
+        raise ValueError(f"skip {sk} outside [-1, {shards})")
+    if n_src != shards * n_dst:
+        raise ValueError(f"reduce_sr: src has {n_src} elements, not n_shards ({shards}) x dst ({n_dst})")
+    return (shards, sk, check_scale(scale), check_accumulate(accumulate), check_seed(seed),
+            check_index_offset(index_offset, n_dst))
 
 
 def reduce_sr(dst: np.ndarray, src: np.ndarray, n_shards: int, skip: int, scale: float, accumulate: bool,

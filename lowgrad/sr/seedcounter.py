@@ -11,9 +11,10 @@ seed from the host at launch:
   unbiased, and the rounding errors of one element in successive micro-steps anti-correlate;
 - ``"rn"``: round to nearest even, no noise.
 
- A captured CUDA graph therefore draws fresh noise on every
-replay; the counter advances by kernels queued on the manager's stream (``kernels/seed_counter.cu``),
-in the same order in eager runs and in replays. The host backend keeps it in numpy memory.
+A captured CUDA graph therefore draws fresh noise on every replay; the counter advances by
+kernels queued on the manager's stream (``kernels/seed_counter.cu``), in the same order in eager
+runs and in replays. The host backend keeps it in numpy memory. The counter's layout, the mode
+values and the op codes are read from those sources (:mod:`lowgrad.core.kernel_source`).
 """
 from __future__ import annotations
 
@@ -22,18 +23,23 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lowgrad.core.dtypes import byte
+from lowgrad.core.kernel_source import constants, struct_fields
 from lowgrad.core.limits import U32, U64
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.sr.seeds import use_seeds
 
-#: the layout of ``struct SeedCounter`` (kernels/sr.cuh)
-COUNTER_DTYPE = np.dtype([("base", "<u8"), ("step", "<u4"), ("micro", "<u4"), ("mode", "<u4"), ("pad", "<u4")])
-#: the rounding modes and their ``mode`` values (``ROUND_*`` in kernels/sr.cuh)
-ROUNDINGS = {"sr": 0, "ldsr": 1, "rn": 2}
+_SOURCE = constants("seed_counter")  # with kernels/sr.cuh, which it includes
+_FIELDS = struct_fields("seed_counter", "SeedCounter")  # scalars only (kernels/sr.cuh)
+#: the layout of ``struct SeedCounter``: its fields with C's natural alignment
+COUNTER_DTYPE = np.dtype({"names": [f.name for f in _FIELDS], "formats": [np.dtype(f.ctype) for f in _FIELDS]},
+                         align=True)
+#: the rounding modes and their ``mode`` values: ``ROUND_<MODE>`` of kernels/sr.cuh, in its order
+ROUNDINGS = {k.removeprefix("ROUND_").lower(): v for k, v in _SOURCE.items() if k.startswith("ROUND_")}
 #: the sharded managers' rounding unless told otherwise (measured best at bf16 memory: docs/accuracy.md)
 DEFAULT_ROUNDING = "ldsr"
-LD_STEP = 40503  # round(0.6180339887 * 2**16): the golden-ratio increment of low-discrepancy SR
-SET, NEXT_MICRO, NEXT_STEP = 0, 1, 2  # the ops of kernels/seed_counter.cu
+LD_STEP = _SOURCE["LD_STEP"]  # round(0.6180339887 * 2**16): the golden-ratio increment of low-discrepancy SR
+#: the ops of kernels/seed_counter.cu
+SET, NEXT_MICRO, NEXT_STEP = _SOURCE["SET"], _SOURCE["NEXT_MICRO"], _SOURCE["NEXT_STEP"]
 #: the largest step the counter holds; ``next_step`` from it would wrap to 0 (repeating step 0's
 #: noise), so a manager never starts step ``LAST_STEP`` (the step after it would not fit)
 LAST_STEP = U32 - 1
@@ -62,8 +68,8 @@ def check_rounding(rounding: Any) -> str:
 
 
 class SeedCounter:
-    """24 bytes named ``seed_counter`` on ``device``, updated asynchronously on a stream;
-    ``rounding`` one of :data:`ROUNDINGS`."""
+    """A ``struct SeedCounter`` (:data:`COUNTER_DTYPE`) named ``seed_counter`` on ``device``,
+    updated asynchronously on a stream; ``rounding`` one of :data:`ROUNDINGS`."""
 
     def __init__(self, device: Any, base_seed: int, step: int, stream: StreamLike = None,
                  rounding: str = "sr") -> None:

@@ -1,6 +1,8 @@
-"""The kernels' C ABI read from the .cu sources (lowgrad/cuda/abi.py), on the CPU: the table equals
-the one Python used to spell out by hand, and the CUDA launcher packs byte for byte what it
-packed before (a stand-in for cuLaunchKernel records the argument buffers; no GPU needed)."""
+"""The kernels' sources read as data (lowgrad/core/kernel_source.py), on the CPU: the table equals
+the one Python used to spell out by hand, typed lookups name what they lack, structs and constants
+are read as C lays them out, and the CUDA launcher (elementwise kernels built from their contract
+declaration included) packs byte for byte what it packed before (a stand-in for cuLaunchKernel
+records the argument buffers; no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,8 +13,10 @@ from typing import Any
 import pytest
 
 import lowgrad as lg
-from lowgrad.cuda import abi, compiler
+from lowgrad.core import kernel_source as ks
+from lowgrad.core.kernels import ELEMENTWISE, Kernels
 from lowgrad.cuda import kernels as ck
+from lowgrad.sr.seedcounter import SeedCounter
 
 u64, u32, i32, f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_float
 # The table as Python spelled it before the sources became its one definition (issue 12).
@@ -36,27 +40,28 @@ def old_args(symbol: str) -> tuple[Any, ...]:
 
 
 def test_table_read_from_the_sources_equals_the_old_hand_written_one() -> None:
-    specs = {k: v for k, v in compiler.kernel_specs().items()
-             if v.module not in ("loopback", "copy")}  # newer than the table
+    old_modules = ("add_sr", "reduce_sr", "fill", "norm_squared", "philox_kat", "seed_counter")
+    specs = {k: v for k, v in ks.kernel_specs().items()
+             if v.module in old_modules and not k.startswith("scale_sr")}  # the rest is newer than the table
     assert len(specs) == OLD_SYMBOLS
     for symbol, spec in specs.items():
         assert spec.args == old_args(symbol), symbol
         assert spec.block == 256 and spec.struct == symbol.startswith("add_sr_multi"), symbol
-    c = compiler.constants("add_sr")
+    c = ks.constants("add_sr")
     assert (c["MULTI_MAX"], c["CHUNK_ELEMS"], c["GROUP_ELEMS"]) == (16, 4096, 8)
 
 
 def test_loopback_structs_are_read_as_c_lays_them_out() -> None:
-    sync, copy, reduce = (compiler.kernel(n) for n in ("loopback_sync", "loopback_copy", "loopback_reduce_bf16"))
+    sync, copy, reduce = (ks.kernel(n) for n in ("loopback_sync", "loopback_copy", "loopback_reduce_bf16"))
     assert sync.args == (u64,) * 19 + (u32,) * 16 + (u64,) + (u32,) * 3 + (u64,) and sync.block == 32
     assert copy.args == (u64,) * 5 + (u32,) and reduce.args == (u64,) * 5 + (u32,) * 3 + (ctypes.c_double,)
-    assert all(s.struct for s in (sync, copy, reduce)) and compiler.kernel("loopback_delay").args == (u64,)
-    c = compiler.constants("loopback")
+    assert all(s.struct for s in (sync, copy, reduce)) and ks.kernel("loopback_delay").args == (u64,)
+    c = ks.constants("loopback")
     assert (c["LB_PTRS"], c["LB_MAX_WORLD"], c["LB_STATUS"]) == (16, 64, 68)
 
 
 def test_struct_fields_keep_their_names_and_lengths() -> None:
-    spec = compiler.add_sr_multi_spec(lg.bf16, lg.fp32)
+    spec = ks.kernel_for("add_sr_multi", lg.bf16, lg.bf16, lg.fp32)
     assert [(p.name, p.count) for p in spec.params] == [
         ("dst", 16), ("a", 16), ("b", 16), ("seed", 16), ("offset", 16), ("n", 16), ("first", 17), ("count", 1),
         ("scale", 1), ("counter", 1), ("layer", 1)]
@@ -65,6 +70,47 @@ def test_struct_fields_keep_their_names_and_lengths() -> None:
         spec.flatten({"dst": []})
     with pytest.raises(ValueError, match="holds 16"):
         spec.flatten({p.name: [1] * 17 if p.count > 1 else 0 for p in spec.params})
+
+
+def test_typed_lookup() -> None:
+    from lowgrad import bf16, fp16, fp32, fp64
+
+    assert ks.kernel_for("add_sr", bf16, fp32, "bf16").symbol == "add_sr_bf16_f32_bf16"
+    assert ks.kernel_for("add_sr", bf16, bf16, bf16).args == (u64, u64, u64, f32, u64, u64, u64)
+    assert ks.kernel_for("reduce_sr", fp32, bf16).symbol == "reduce_sr_f32_bf16"
+    assert ks.kernel_for("scale_sr", bf16, fp32).args == (u64, u64, f32, u64, u64, u64)
+    assert ks.kernel_for("norm_squared_finish", fp64).symbol == "norm_squared_finish_f64"
+    assert ks.kernel("fill_u8").module == "fill" and ks.kernel("philox_kat").module == "philox_kat"
+    with pytest.raises(ValueError, match="no kernel"):
+        ks.kernel("add_sr_f16_f16_f16")
+    with pytest.raises(TypeError, match=r"add_sr: no kernel for dtypes \(fp16, bf16, bf16\)"):
+        ks.kernel_for("add_sr", fp16, bf16, bf16)
+    with pytest.raises(TypeError, match=r"norm_squared: no kernel for dtypes \(fp32, bf16\)"):
+        ks.kernel_for("norm_squared", fp32, bf16)
+    with pytest.raises(ValueError, match="unknown kernel module"):
+        ks.constants("nope")
+    assert all(s.block == (32 if s.symbol in ("loopback_sync", "loopback_delay") else 256)
+               for s in ks.kernel_specs().values() if s.module != "grad_stats")  # one-thread waits
+
+
+def test_structs_and_constants_shared_with_python() -> None:
+    """The seed counter's layout, modes and ops are the sources' (kernels/sr.cuh, seed_counter.cu)."""
+    from lowgrad.sr import seedcounter as sc
+
+    fields = ks.struct_fields("seed_counter", "SeedCounter")
+    assert [(f.name, f.ctype, f.count) for f in fields] == [("base", u64, 1)] + [(n, u32, 1) for n in (
+        "step", "micro", "mode", "pad")]
+    assert sc.COUNTER_DTYPE.names == tuple(f.name for f in fields) and sc.COUNTER_DTYPE.itemsize == 24
+    c = ks.constants("seed_counter")
+    assert sc.ROUNDINGS == {"sr": c["ROUND_SR"], "ldsr": c["ROUND_LDSR"], "rn": c["ROUND_RN"]}
+    assert (sc.SET, sc.NEXT_MICRO, sc.NEXT_STEP, sc.LD_STEP) == (c["SET"], c["NEXT_MICRO"], c["NEXT_STEP"], 40503)
+    with pytest.raises(ValueError, match="neither a scalar nor a struct"):
+        ks.struct_fields("seed_counter", "NoSuchStruct")
+
+
+def test_the_reader_finds_the_sources_of_a_checkout() -> None:
+    assert (ks.kernel_dir() / "add_sr.cu").is_file() and ks.kernel_dir().name == "kernels"
+    assert set(ks.modules()) == {p.stem for p in ks.kernel_dir().glob("*.cu")}
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -85,12 +131,12 @@ def test_reader_expands_macros_and_reads_constants(tmp_path: Path) -> None:
         /* extern "C" __global__ void commented_out(float x) { } */
         """)
     (tmp_path / "h.cuh").write_text("enum { BASE = 0x20u };\n")
-    specs, consts = abi.read_module("k", d)
+    specs, consts = ks.read_module("k", d)
     assert consts["BASE"] == 32 and consts["WIDE"] == 65 and "ODD" not in consts
     assert set(specs) == {"k_f32", "k_bf16", "by_value"}
     assert specs["k_bf16"].args == (u64, i32, ctypes.c_double) and specs["k_bf16"].block == 32
     assert specs["by_value"].struct and specs["by_value"].args == (u64,) * 65 + (f32, u64)
-    assert specs["by_value"].block == abi.DEFAULT_BLOCK
+    assert specs["by_value"].block == ks.DEFAULT_BLOCK
 
 
 @pytest.mark.parametrize("source, message", [
@@ -101,7 +147,7 @@ def test_reader_expands_macros_and_reads_constants(tmp_path: Path) -> None:
 ])
 def test_reader_refuses_what_it_cannot_pack(tmp_path: Path, source: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        abi.read_module("k", write(tmp_path, "k", source))
+        ks.read_module("k", write(tmp_path, "k", source))
 
 
 # ---- packed bytes, before and after --------------------------------------------------------------
@@ -139,17 +185,18 @@ def old_pack(args: tuple[Any, ...], *values: Any) -> bytes:
 def stand_in(sm_count: int = 132, resident: int = 2 * 132) -> ck.CudaKernels:
     """CudaKernels without a device: functions are ints from 1000 on, the resident grid is given."""
     k = object.__new__(ck.CudaKernels)
-    c = compiler.constants("add_sr")
+    c = ks.constants("add_sr")
     k.__dict__.update(max_grid=sm_count * ck.GRID_PER_SM, _kernels={}, _resident={}, group_elems=c["GROUP_ELEMS"],
                       multi_max=c["MULTI_MAX"], multi_chunk=c["CHUNK_ELEMS"])
     funcs: dict[str, ck.Kernel] = {}
 
-    def kernel(spec: abi.KernelSpec) -> ck.Kernel:
+    def kernel(spec: ks.KernelSpec) -> ck.Kernel:
         if spec.symbol not in funcs:
             funcs[spec.symbol] = ck.Kernel(spec, 1000 + len(funcs))
         return funcs[spec.symbol]
     k.kernel = kernel  # type: ignore[method-assign]
     k.resident_blocks = lambda func, block: resident  # type: ignore[method-assign]
+    Kernels.__init__(k)  # the elementwise kernels, built as CudaKernels.__init__ builds them
     return k
 
 
@@ -179,6 +226,31 @@ def test_single_tensor_launches_pack_the_old_bytes(launches: Launches) -> None:
     assert launches.calls[-1] == (1001, old_grid(5000, k.max_grid), 256, want)
 
 
+def test_scale_sr_packs_its_entry_points_parameters(launches: Launches) -> None:
+    """scale_sr, built from its declaration: (dst, a, scale, seed, index_offset, n) as declared in
+    kernels/add_sr.cu, the grid of add_sr; nothing launched for no elements."""
+    k = stand_in()
+    h = lg.HostDevice()
+    dst, a = h.alloc(5000, lg.fp32, kind="host"), h.alloc(5000, lg.bf16, kind="host")
+    want = old_pack((u64, u64, f32, u64, u64, u64), dst.ptr, a.ptr, -0.5, 2**64 - 1, 3, 5000)
+    launches.sizes[1000] = len(want)
+    k.scale_sr(dst, a, -0.5, 2**64 - 1, 3, 0)
+    k.scale_sr(dst.view(0, 0), a.view(0, 0), 1.0, 0, 0, 0)
+    assert launches.calls == [(1000, old_grid(5000, k.max_grid), 256, want)]
+
+
+def test_an_entry_point_unlike_its_declaration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    k = stand_in()
+    (decl,) = [d for d in ELEMENTWISE if d.name == "scale_sr"]
+    spec = ks.kernel_for("scale_sr", lg.bf16, lg.bf16)
+    wrong = ks.KernelSpec(spec.module, spec.symbol, tuple(ks.Param("x" if p.name == "a" else p.name, p.ctype)
+                                                          for p in spec.params))
+    monkeypatch.setattr(ck, "kernel_for",
+                        lambda stem, *d: wrong if d == (lg.bf16, lg.bf16) else ks.kernel_for(stem, *d))
+    with pytest.raises(ValueError, match=r"scale_sr_bf16_bf16 takes \['dst', 'x'"):
+        k.build(decl)
+
+
 @pytest.mark.parametrize("with_counter", [False, True])
 def test_multi_tensor_launches_pack_the_old_bytes(launches: Launches, with_counter: bool) -> None:
     """bind_add_sr_multi packs MultiAddSr by field name now; the bytes are the old positional ones."""
@@ -187,9 +259,9 @@ def test_multi_tensor_launches_pack_the_old_bytes(launches: Launches, with_count
     sizes = [1, 4095, 4096, 4097, 100_000, 0, 3, 70_000] * 3  # 24 tensors: two launches
     dsts = [h.alloc(n, lg.bf16, kind="host") for n in sizes]
     items = [(d, d, h.alloc(d.numel, lg.fp32, kind="host"), 11 * i) for i, d in enumerate(dsts)]
-    counter = lg.SeedCounter(h, 5, 0) if with_counter else None
+    counter = SeedCounter(h, 5, 0) if with_counter else None
     seeds = [2 * i + 1 for i in range(len(items))] if with_counter else [2**63 + i for i in range(len(items))]
-    spec = compiler.add_sr_multi_spec(lg.bf16, lg.fp32)
+    spec = ks.kernel_for("add_sr_multi", lg.bf16, lg.bf16, lg.fp32)
     launches.sizes[1000] = struct.calcsize(MULTI_LAYOUT)
     run = k.bind_add_sr_multi(items, 0.25, (counter, 7 if with_counter else 0, seeds))
     run(0)

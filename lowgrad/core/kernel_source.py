@@ -1,8 +1,9 @@
-"""The C ABI of lowgrad's kernels, read from their sources: each ``extern "C" __global__`` entry
-point of ``kernels/*.cu`` (written out, or instantiated from a ``#define`` macro) becomes a
-:class:`KernelSpec` (module, symbol, parameters, block size), and the integer ``enum`` constants
-of the sources and their headers become :func:`constants`. A kernel's signature is therefore
-written once, in CUDA; the launcher packs arguments from the spec.
+"""The kernels' sources read as data, without a GPU: where they are (:func:`kernel_dir`, in a wheel
+or a checkout), each ``extern "C" __global__`` entry point of ``kernels/*.cu`` (written out, or
+instantiated from a ``#define`` macro) as a :class:`KernelSpec` (module, symbol, parameters, block
+size), the integer ``enum`` constants of a source and its headers (:func:`constants`), and the
+fields of a ``struct`` (:func:`struct_fields`). A kernel's signature, and every constant that
+Python and CUDA share, is therefore written once, in CUDA; any layer reads it here.
 
 The reader understands the subset of C the sources use: scalar parameters (``float``,
 ``double``, ``int``, ``u32``, ``u64``), pointers (passed as 64-bit addresses), one struct passed
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lowgrad.core.dtypes import as_dtype
+
 #: C scalar types of kernel parameters -> ctypes (every pointer is a c_uint64 device address)
 SCALARS: dict[str, Any] = {"float": ctypes.c_float, "double": ctypes.c_double, "int": ctypes.c_int32,
                            "u32": ctypes.c_uint32, "unsigned": ctypes.c_uint32, "u64": ctypes.c_uint64}
@@ -36,6 +39,7 @@ _LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_}
 DEFAULT_BLOCK = 256  # threads per block of a kernel without __launch_bounds__
+_TAG = {"fp32": "f32", "bf16": "bf16", "fp64": "f64"}  # dtype -> its suffix in kernel symbols
 
 
 @dataclass(frozen=True)
@@ -183,16 +187,23 @@ def _struct_fields(text: str, name: str, consts: Mapping[str, int], symbol: str)
     return tuple(fields)
 
 
-def read_module(module: str, directory: Path) -> tuple[dict[str, KernelSpec], dict[str, int]]:
-    """The kernels of ``directory/<module>.cu`` by symbol, and the enum constants of the source
-    and the headers it includes."""
+def _source(module: str, directory: Path) -> tuple[str, str, dict[str, int]]:
+    """``directory/<module>.cu`` without comments, the same with the headers it includes before
+    it, and the enum constants of all of them."""
     text = _strip((directory / f"{module}.cu").read_text())
     headers: dict[str, str] = {}
     _includes(text, directory, headers)
     consts: dict[str, int] = {}
     for part in (*headers.values(), text):
         _enum_constants(part, consts)
-    everything = "\n".join((*headers.values(), text))
+    return text, "\n".join((*headers.values(), text)), consts
+
+
+@functools.cache
+def read_module(module: str, directory: Path) -> tuple[dict[str, KernelSpec], dict[str, int]]:
+    """The kernels of ``directory/<module>.cu`` by symbol, and the enum constants of the source
+    and the headers it includes (read once per process)."""
+    text, everything, consts = _source(module, directory)
     specs: dict[str, KernelSpec] = {}
     for bounds, symbol, plist in _expansions(text):
         symbol = symbol.strip()
@@ -216,7 +227,7 @@ def _is_struct(decl: str, text: str) -> bool:
 
 @functools.cache
 def read_kernels(directory: Path, modules: Sequence[str]) -> tuple[dict[str, KernelSpec], dict[str, dict[str, int]]]:
-    """Every kernel of ``modules`` by symbol, and each module's constants (cached per directory)."""
+    """Every kernel of ``modules`` by symbol, and each module's constants (read once per process)."""
     specs: dict[str, KernelSpec] = {}
     consts: dict[str, dict[str, int]] = {}
     for module in modules:
@@ -225,3 +236,60 @@ def read_kernels(directory: Path, modules: Sequence[str]) -> tuple[dict[str, Ker
             raise ValueError(f"kernel {symbol} is defined in {specs[symbol].module}.cu and {module}.cu")
         specs.update(found)
     return specs, consts
+
+
+# ---- the sources of this installation ------------------------------------------------------------------
+@functools.cache
+def kernel_dir() -> Path:
+    """The kernel sources: ``lowgrad/kernels`` in an installed wheel, ``<repo>/kernels`` in a checkout
+    (looked up once per process: every kernel lookup goes through here)."""
+    package = Path(__file__).resolve().parents[1]  # lowgrad/
+    candidates = (package / "kernels", package.parent / "kernels")
+    for d in candidates:
+        if (d / "add_sr.cu").is_file():
+            return d
+    raise FileNotFoundError(f"lowgrad kernel sources not found in {' or '.join(map(str, candidates))}")
+
+
+@functools.cache
+def modules() -> tuple[str, ...]:
+    """The kernel modules: the stem of every ``.cu`` file in :func:`kernel_dir`, sorted."""
+    return tuple(sorted(p.stem for p in kernel_dir().glob("*.cu")))
+
+
+def kernel_specs() -> dict[str, KernelSpec]:
+    """Every kernel entry point by symbol."""
+    return read_kernels(kernel_dir(), modules())[0]
+
+
+def constants(module: str) -> dict[str, int]:
+    """The integer enum constants of ``kernels/<module>.cu`` and the headers it includes."""
+    if module not in modules():
+        raise ValueError(f"unknown kernel module {module!r}; expected one of {', '.join(modules())}")
+    return read_module(module, kernel_dir())[1]
+
+
+def struct_fields(module: str, name: str) -> tuple[Param, ...]:
+    """The fields of ``struct <name>`` as ``kernels/<module>.cu`` (with its headers) declares it,
+    in order (C lays them out with natural alignment)."""
+    _, everything, consts = _source(module, kernel_dir())
+    return _struct_fields(everything, name, consts, f"{module}.cu")
+
+
+def kernel(symbol: str) -> KernelSpec:
+    """The entry point ``symbol``; ValueError when no source defines it."""
+    spec = kernel_specs().get(symbol)
+    if spec is None:
+        raise ValueError(f"no kernel {symbol!r} in {kernel_dir()}")
+    return spec
+
+
+def kernel_for(stem: str, *dtypes: Any) -> KernelSpec:
+    """The kernel ``stem`` for these dtypes, in the order its symbol names them: the entry point
+    ``<stem>_<tag>_<tag>...`` (``f32``, ``bf16``, ``f64``; e.g. ``kernel_for("add_sr", bf16, fp32,
+    bf16)`` is ``add_sr_bf16_f32_bf16``). TypeError naming the dtypes when the sources have none."""
+    ds = [as_dtype(d) for d in dtypes]
+    spec = kernel_specs().get("_".join([stem, *(_TAG.get(d.name, d.name) for d in ds)]))
+    if spec is None:
+        raise TypeError(f"{stem}: no kernel for dtypes ({', '.join(d.name for d in ds)})")
+    return spec
