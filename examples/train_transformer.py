@@ -58,7 +58,7 @@ SIZES = {
              "num_hidden_layers": 2},
 }
 # Defaults by device: on a GPU the 0.5B model's run of BENCHMARKS.md; on the CPU a tiny run of a
-# few seconds (the 0.5B defaults took 3 to 4.5 minutes there even with --size tiny).
+# few seconds, short enough for the test suite (the GPU's step counts and batches take minutes there).
 DEFAULTS = {
     "cuda": {"size": "0.5b", "steps": 300, "micro_steps": 4, "batch": 8, "seq": 512, "log_every": 25},
     "host": {"size": "tiny", "steps": 30, "micro_steps": 2, "batch": 4, "seq": 64, "log_every": 10},
