@@ -43,6 +43,8 @@ CASES = [
     ("tools/bench_manager.py", ["--backend", "host"], "ok", False),  # the tiny layout: seconds
     ("tools/bench_manager.py", ["--backend", "host", "--world", "3"], "why", False),
     ("tools/fault_soak.py", [], "verdict", False),
+    ("tools/grad_report.py", [], "why", False),
+    ("tools/grad_report.py", ["--log", "missing.jsonl"], "why", False),
     ("tools/nccl_bench.py", [], "gpu", True),
     ("tools/predict_scaling.py", [], "ok", False),
     ("tools/predict_scaling.py", ["--bench-layer", "missing.json"], "why", False),

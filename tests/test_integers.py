@@ -3,7 +3,6 @@ of :mod:`lowgrad.core.integers`): ranks, worlds, peers, ports, stream priorities
 layer counts. Bools, Python's or NumPy's, and floats stay refused."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -12,9 +11,9 @@ from loopback_sim import SimDevice, patch
 
 import lowgrad as lg
 from lowgrad.core.integers import integer
-from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 from lowgrad.core.threads import ThreadCollective
 from lowgrad.cuda import loopback
+from lowgrad.launch.tcp_rendezvous import exchange_unique_id
 
 NP_INTS = [np.int64(1), np.int32(1), np.uint8(1), np.intp(1)]
 NOT_INTS = [True, False, np.True_, np.bool_(False), 1.0, np.float64(1.0), "1", None, [1]]
@@ -79,25 +78,12 @@ def test_rendezvous_arguments() -> None:
         exchange_unique_id(0, np.bool_(True), "127.0.0.1", 1, uid, 1)
 
 
-def test_loopback_world_and_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loopback_world(monkeypatch: pytest.MonkeyPatch) -> None:
     patch(monkeypatch)
     dev = SimDevice("sim")
     assert loopback.LoopbackGroup(dev, np.int64(2), 5).world == 2
     with pytest.raises(TypeError, match="loopback world must be an int"):
         loopback.LoopbackGroup(dev, True, 5)
-    launches: list[tuple[Any, ...]] = []
-
-    class Kernels:  # records the launch spin makes
-        def kernel(self, spec: Any) -> Kernels:
-            return self
-
-        def launch(self, *args: Any) -> None:
-            launches.append(args)
-    spinner = SimpleNamespace(kernels=Kernels())
-    loopback.spin(spinner, None, np.uint64(1000))
-    assert launches == [(1, 0, 1000)] and type(launches[0][2]) is int
-    with pytest.raises(TypeError, match="spin: ns must be an int"):
-        loopback.spin(spinner, None, 1000.0)
     assert lg.run_threads(np.int32(2), lambda c: c.rank, backend="cuda", share_gpu=dev, timeout=10) == [0, 1]
 
 

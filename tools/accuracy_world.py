@@ -40,7 +40,7 @@ from _cli import CannotRun, Parser, check_world, int_list, output_help, output_p
 import numpy as np
 
 import lowgrad as lg
-from lowgrad.host.collective import host_reduce
+from lowgrad.host.reduce import host_reduce
 
 BF16 = lg.bf16.np
 Reduce = Callable[[np.ndarray], np.ndarray]  # (world, n) bf16 inputs -> (n,) bf16 average

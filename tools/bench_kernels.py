@@ -252,14 +252,14 @@ class Bench:
     def launch_overhead(self, calls: int) -> None:
         import numpy as np
         lg = self.lg
-        from lowgrad.cuda.compiler import add_sr_spec
+        from lowgrad.core.kernel_source import kernel_for
         n = 1024
         a = lg.from_numpy(np.ones(n, np.float32).astype(lg.bf16.np), self.dev, name="bench")
         b = lg.from_numpy(np.full(n, 1e-3, np.float32).astype(lg.bf16.np), self.dev, name="bench")
         s = self.s
         h = s.handle
         kern = self.dev.kernels
-        k = kern.kernel(add_sr_spec(lg.bf16, lg.bf16, lg.bf16))
+        k = kern.kernel(kernel_for("add_sr", lg.bf16, lg.bf16, lg.bf16))
         grid, pa, pb = kern.grid(n, k.block), a.ptr, b.ptr
 
         # Host cost only: the GPU is first kept busy (a queue of large add_sr kernels, ~4 ms) so

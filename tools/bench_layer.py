@@ -28,8 +28,9 @@ import numpy as np
 import lowgrad as lg
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.core.dtypes import byte
+from lowgrad.core.kernel_source import kernel_for
 from lowgrad.core.tensor import span
-from lowgrad.cuda.compiler import add_sr_multi_spec
+from lowgrad.sr.seedcounter import SeedCounter
 from lowgrad.sr.seeds import use_seed
 
 
@@ -66,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     def add(name: str, runs: list[Callable[[int], None]]) -> None:
         variants[name] = lambda layer, s: runs[layer](s)
 
-    multi = add_sr_multi_spec(lg.bf16, lg.bf16)
+    multi = kernel_for("add_sr_multi", lg.bf16, lg.bf16, lg.bf16)
     resident = kern.resident_blocks(kern.kernel(multi).func, multi.block)
     fixed = [(None, 0, seeds[l]) for l in range(L)]  # the backend's form of fixed seeds (ops.check_seed_source)
     add(f"multi, resident grid ({resident // sms} x SMs)", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l])
                                                              for l in range(L)])
     for f in (1, 2, 4, 6, 8, 16, 64):
         add(f"multi, {f} x SMs", [kern.bind_add_sr_multi(items[l], 1.0, fixed[l], blocks=sms * f) for l in range(L)])
-    counter = lg.SeedCounter(dev, 7, 0)
+    counter = SeedCounter(dev, 7, 0)
     counter.next_micro(0)  # micro-step 1, as the seeds above
     lanes = [2 * i for i in range(len(specs))]
     add("multi, resident grid, device seeds", [kern.bind_add_sr_multi(items[l], 1.0, (counter, l, lanes))

@@ -317,7 +317,7 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() and lg.device_count() > 0 else "host"
     if backend == "nccl":
-        from lowgrad.core.rendezvous import launcher_env
+        from lowgrad.launch.rendezvous import launcher_env
         env_world = launcher_env()[1]  # ValueError outside torchrun, Open MPI, Slurm
         if a.world not in (None, env_world):
             raise ValueError(f"--world {a.world}, but the launcher started {env_world} ranks")

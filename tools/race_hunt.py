@@ -32,11 +32,18 @@ from _cli import run as run_tool
 import numpy as np
 
 import lowgrad as lg
-from lowgrad.cuda.loopback import spin
+from lowgrad.core.streams import stream_handle
+from lowgrad.cuda.compiler import kernel
 
 STRATS = (("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
           ("all_to_all", True))
 Pause = Callable[[str], None]
+
+
+def spin(dev: Any, stream: Any, ns: int) -> None:
+    """Hold ``stream`` on the GPU for ``ns`` nanoseconds (one thread waiting on the clock;
+    asynchronous): a slow engine kernel."""
+    dev.kernels.kernel(kernel("loopback_delay")).launch(1, stream_handle(stream), ns)
 
 
 def engine_inputs(dev: Any, layout: lg.Layout, rank: int) -> dict[Any, lg.Tensor]:

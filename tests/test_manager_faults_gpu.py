@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_base_faults import FAULTS, check_faulted, faulted_and_clean
 from test_graph_gpu import (
     capture_micro_steps,
     engine_inputs,
@@ -16,6 +15,7 @@ from test_graph_gpu import (
     micro_step,
     shards,
 )
+from test_manager_faults import FAULTS, check_faulted, faulted_and_clean
 from test_managers import STRATS, small_layout
 
 import lowgrad as lg
