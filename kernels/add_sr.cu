@@ -1,10 +1,31 @@
 // dst = SR((a + b) * scale) elementwise in float32 (add, then multiply), and dst = SR(a * scale);
 // dst may alias a exactly. Element i uses the noise of index index_offset + i.
-#include "sr.cuh"
+#include "grad_stats.cuh"
 
 // Measured best on H200: 2 groups of 8 per thread and iteration, and an explicit minimum of 1 block
 // per SM in __launch_bounds__ (ptxas then schedules with ~80 registers instead of capping at 64).
 enum { ADD_UNROLL = 2, ADD_MIN_BLOCKS = 1 };
+
+struct NoWatch {
+  __device__ __forceinline__ void see(const float (&)[8], const float (&)[8], u32) {}
+};
+
+// the gradient statistics of b (and of a, when with_a) of one thread's groups (grad_stats.cuh)
+struct StatsWatch {
+  StatsAcc b, a;
+  bool with_a;
+  __device__ __forceinline__ void see(const float (&x)[8], const float (&y)[8], u32 count) {
+    b.add8(y, count);
+    if (with_a) a.add8(x, count);
+  }
+};
+
+template <bool C, typename T, typename F> struct Pick {  // std::conditional (no standard library in NVRTC)
+  using type = T;
+};
+template <typename T, typename F> struct Pick<false, T, F> {
+  using type = F;
+};
 
 template <typename D, typename A, typename B> struct AddSr {
   D* dst;
@@ -15,6 +36,12 @@ template <typename D, typename A, typename B> struct AddSr {
   u64 offset;
 
   template <int U, bool VEC> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count) const {
+    NoWatch w;
+    run<U, VEC>(e, count, w);
+  }
+
+  // w sees each group's a and b values (as float) before they are added, in element order
+  template <int U, bool VEC, typename W> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count, W& w) const {
     float x[U][8], y[U][8];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -23,6 +50,7 @@ template <typename D, typename A, typename B> struct AddSr {
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      w.see(x[u], y[u], count);
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[u][k] = __fmul_rn(__fadd_rn(x[u][k], y[u][k]), scale);
       store8<VEC>(dst + e[u], count, x[u], rd, offset + e[u]);
@@ -97,18 +125,27 @@ SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 // kernel runs (sr.cuh).
 // The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
 // (lowgrad/cuda/kernels.py reads these constants here).
+// add_sr_multi_stats_* also writes the gradient statistics of each chunk of b (the gradient it
+// consumes) to stats_b[chunk], and at micro-step 1 of the counter those of a (the shard, which then
+// holds micro-step 0's gradient) to stats_a[chunk]: a chunk is a chunk of grad_stats.cu, and its
+// threads take its elements in the same order, so the partials are those grad_stats writes
+// (grad_stats_finish turns them into per-tensor values).
 enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256, CHUNK_ELEMS = CHUNK_THREADS * ADD_UNROLL * GROUP_ELEMS };
+static_assert(CHUNK_THREADS == STATS_THREADS && ADD_UNROLL == STATS_UNROLL, "a chunk is a grad_stats chunk");
 
-struct MultiAddSr {  // passed by value (__grid_constant__): 864 bytes of kernel parameters
+struct MultiAddSr {  // passed by value (__grid_constant__): 880 bytes of kernel parameters
   u64 dst[MULTI_MAX], a[MULTI_MAX], b[MULTI_MAX], seed[MULTI_MAX], offset[MULTI_MAX], n[MULTI_MAX];
   u32 first[MULTI_MAX + 1];
   u32 count;
   float scale;
   const SeedCounter* counter;  // null: seed[t] is the seed
   u32 layer;
+  StatsPartial* stats_b;  // add_sr_multi_stats_*: the statistics of b (and of a), per chunk
+  StatsPartial* stats_a;
 };
 
-template <typename D, typename A, typename B> __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
+template <typename D, typename A, typename B, bool STATS>
+__device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   __shared__ Rounding rds[MULTI_MAX];
   if (threadIdx.x < m.count)
     rds[threadIdx.x] = m.counter ? counter_rounding(m.counter, m.layer, (u32)m.seed[threadIdx.x])
@@ -116,9 +153,12 @@ template <typename D, typename A, typename B> __device__ __forceinline__ void ad
   __syncthreads();
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
+  const bool with_a = STATS && m.counter && m.counter->micro == 1;  // the same in every thread
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
+    typename Pick<STATS, StatsWatch, NoWatch>::type w{};
+    if constexpr (STATS) w.with_a = with_a;
     const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, rds[t], m.offset[t]};
     const u64 n = m.n[t], full = n / GROUP_ELEMS;
     const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
@@ -127,18 +167,22 @@ template <typename D, typename A, typename B> __device__ __forceinline__ void ad
       u64 e[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) e[u] = GROUP_ELEMS * (g + u * CHUNK_THREADS);
-      f.template run<U, true>(e, GROUP_ELEMS);
+      f.template run<U, true>(e, GROUP_ELEMS, w);
     } else {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const u64 q = g + u * CHUNK_THREADS, e[1] = {GROUP_ELEMS * q};
         if (q < full) {
-          if (vec) f.template run<1, true>(e, GROUP_ELEMS);
-          else f.template run<1, false>(e, GROUP_ELEMS);
+          if (vec) f.template run<1, true>(e, GROUP_ELEMS, w);
+          else f.template run<1, false>(e, GROUP_ELEMS, w);
         } else if (q == full && (n & (GROUP_ELEMS - 1))) {
-          f.template run<1, false>(e, (u32)(n & (GROUP_ELEMS - 1)));
+          f.template run<1, false>(e, (u32)(n & (GROUP_ELEMS - 1)), w);
         }
       }
+    }
+    if constexpr (STATS) {
+      w.b.store(m.stats_b + c);
+      if (with_a) w.a.store(m.stats_a + c);
     }
   }
 }
@@ -146,7 +190,11 @@ template <typename D, typename A, typename B> __device__ __forceinline__ void ad
 #define ADD_SR_MULTI_KERNEL(DN, D, AN, A, BN, B)                                                        \
   extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, ADD_MIN_BLOCKS)                           \
   add_sr_multi_##DN##_##AN##_##BN(const __grid_constant__ MultiAddSr m) {                             \
-    add_sr_multi<D, A, B>(m);                                                                          \
+    add_sr_multi<D, A, B, false>(m);                                                                   \
+  }                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, ADD_MIN_BLOCKS)                           \
+  add_sr_multi_stats_##DN##_##AN##_##BN(const __grid_constant__ MultiAddSr m) {                       \
+    add_sr_multi<D, A, B, true>(m);                                                                    \
   }
 
 ADD_SR_MULTI_KERNEL(f32, float, f32, float, f32, float)

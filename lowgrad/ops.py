@@ -13,6 +13,7 @@ from typing import Any
 from lowgrad.core import capture
 from lowgrad.core.backend import check_copy
 from lowgrad.core.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
+from lowgrad.core.integers import integer
 from lowgrad.core.kernels import SeedSource
 from lowgrad.core.limits import U64
 from lowgrad.core.streams import StreamLike, stream_handle
@@ -29,9 +30,9 @@ from lowgrad.sr.checks import (
 from lowgrad.sr.reference import check_reduce_sr_args
 from lowgrad.sr.seedcounter import SeedCounter
 
-__all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_reduce_sr",
-           "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy", "copy_on_cores", "fill_nan",
-           "fill_zero", "norm_squared", "reduce_sr", "scale_sr"]
+__all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_grad_stats",
+           "bind_reduce_sr", "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy",
+           "copy_on_cores", "fill_nan", "fill_zero", "norm_squared", "reduce_sr", "scale_sr"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)
@@ -179,15 +180,26 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     return None, 0, [check_seed(v) for v in many]
 
 
-def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0
-                      ) -> Callable[[int], None]:
+def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0,
+                      stats: tuple[Tensor, list[int]] | None = None) -> Callable[[int], None]:
     """Many ``add_sr`` of one dtype triple (``dst`` of ``a``'s dtype) checked and packed once:
     ``items`` are ``(dst, a, b, index_offset)``, ``seeds`` one seed per item or ``(counter,
     layer, lanes)`` (see :func:`check_seed_source`). The returned ``f(stream)`` queues all of
     them on ``stream`` (an int handle) in as few launches as the backend can (one per 16
-    tensors on CUDA). Results equal separate :func:`add_sr` calls with those seeds."""
+    tensors on CUDA). Results equal separate :func:`add_sr` calls with those seeds.
+
+    ``stats=(out, columns)`` (seeds from a counter): the same launches measure each item's ``b``
+    as :func:`bind_grad_stats` does, into row ``m`` of ``out`` (the counter's micro-step when the
+    work runs) at column ``columns[i]``, and at micro-step 1 its ``a`` before the add into row 0
+    (a shard that accumulates then holds micro-step 0's gradient)."""
     if not items:
         raise ValueError("bind_add_sr_multi needs at least one (dst, a, b, index_offset)")
+    if stats is not None:
+        if not (isinstance(seeds, tuple) and seeds and isinstance(seeds[0], SeedCounter)):
+            raise ValueError("bind_add_sr_multi: stats= needs seeds from a SeedCounter (its micro-step picks the row)")
+        if not isinstance(stats, tuple) or len(stats) != 2:
+            raise TypeError(f"stats must be (out, columns), got {type(stats).__name__}")
+        _check_stats_out(stats[0], stats[1], len(items), items[0][0].device, "bind_add_sr_multi")
     d0, a0, b0, _ = items[0]
     for dst, a, b, off in items:
         _check_add_sr(dst, a, b, scale, 0, off)
@@ -196,7 +208,52 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
                             f"on {dst.device!r}; every item needs ({d0.dtype.name}, {d0.dtype.name}, "
                             f"{b0.dtype.name}) on {d0.device!r}")
     seeds = check_seed_source(seeds, len(items), d0.device)
-    return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds)
+    target = None if stats is None else (stats[0], [int(c) for c in stats[1]])
+    return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds, target)
+
+
+def _check_stats_out(out: Any, columns: Any, count: int, device: Any, what: str) -> None:
+    """``out`` a float64 ``(rows, columns, 3)`` tensor on ``device`` that kernels can write, and
+    ``count`` columns of it."""
+    _tensor(out, "out")
+    if out.dtype is not fp64 or out.ndim != 3 or out.shape[2] != 3:
+        raise TypeError(f"{what}: out {out.name!r} must be fp64 of shape (rows, columns, 3), got {out.dtype.name} "
+                        f"{out.shape}")
+    if out.device is not device:
+        raise ValueError(f"{what}: out {out.name!r} lives on {out.device!r}, the tensors on {device!r}")
+    _kernel_memory(device, (out, "out"))
+    if not isinstance(columns, (list, tuple)) or len(columns) != count:
+        raise ValueError(f"{what}: need one column per tensor ({count}), got {columns!r}")
+    for c in columns:
+        if integer("a column", c) not in range(out.shape[1]):
+            raise ValueError(f"{what}: column {c} outside [0, {out.shape[1]})")
+
+
+def bind_grad_stats(tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
+                    counter: SeedCounter | None = None) -> Callable[[int], None]:
+    """The gradient statistics of ``tensors`` (fp32 or bf16, one dtype, one device) checked and
+    packed once: the returned ``f(stream)`` writes ``(sum of squares, non-finite count, largest
+    finite |x|)`` of ``tensors[i]`` to ``out[row, columns[i]]`` on ``stream`` (an int handle),
+    ``out`` a float64 ``(rows, columns, 3)`` tensor; with ``counter`` (a :class:`SeedCounter`)
+    the row is ``row`` plus its micro-step when the work runs (a row past the end is not
+    written). The values are :func:`lowgrad.sr.reference.grad_stats`' bit for bit, on either
+    backend: deterministic, from a summation order fixed by the element index."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("bind_grad_stats needs a non-empty list of tensors")
+    t0 = _tensor(tensors[0], "tensors[0]")
+    for i, t in enumerate(tensors):
+        _tensor(t, f"tensors[{i}]")
+        _dtype_in(t, f"tensors[{i}]", SR_DTYPES)
+        if t.dtype is not t0.dtype or t.device is not t0.device:
+            raise TypeError(f"bind_grad_stats: {t.name!r} is {t.dtype.name} on {t.device!r}; every tensor needs "
+                            f"{t0.dtype.name} on {t0.device!r}")
+        _kernel_memory(t.device, (t, f"tensors[{i}]"))
+    _check_stats_out(out, columns, len(tensors), t0.device, "bind_grad_stats")
+    if integer("row", row) not in range(out.shape[0]):
+        raise ValueError(f"bind_grad_stats: row {row} outside [0, {out.shape[0]})")
+    if counter is not None and (not isinstance(counter, SeedCounter) or counter.device is not t0.device):
+        raise TypeError(f"bind_grad_stats: counter must be a SeedCounter of {t0.device!r}, got {counter!r}")
+    return t0.device.kernels.bind_grad_stats(list(tensors), out, [int(c) for c in columns], int(row), counter)
 
 
 def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, accumulate: Any, seed: Any,

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
+from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
 
@@ -149,6 +150,9 @@ class Attached:
                             f"dtype (convert the model with .to({_torch_dtype(self.gm)}), or pass dtype= to attach)")
         self.model, self.overlap, self.layout = model, overlap, layout
         self.block_params, self.non_block_params = block_params, non_block_params
+        full = {id(p): n for n, p in model.named_parameters()}  # the statistics' columns by module name
+        self._stats_names = tuple(full[id(p)] for _, p in non_block_params) + tuple(
+            full[id(p)] for ps in block_params for _, p in ps)
         self.device = comm.device
         self._meets = bool(getattr(comm, "meets_peers_on_host", False))
         self._thread = 0  # the thread that entered the micro-step
@@ -356,6 +360,17 @@ class Attached:
         """The completed step's squared global gradient norm (every rank's shards; a collective)
         as a one-element float32 device tensor, no host sync; the manager reuses it."""
         return self.view(self.gm.grad_norm_squared(self.current_stream()))
+
+    def stats(self) -> torch.Tensor:
+        """The completed step's gradient statistics (attach with ``stats=True``) as a float64
+        device tensor of shape ``(world, rows, tensors, 3)``, no host sync; a collective
+        (:meth:`lowgrad.GradientManager.stats`, layout in docs/diagnostics.md)."""
+        return self.view(self.gm.stats(self.current_stream()))
+
+    def step_stats(self) -> StepStats:
+        """:meth:`stats` on the host (one sync) as a :class:`lowgrad.diagnostics.StepStats` whose
+        tensors carry the module's parameter names (``model.layers.17.mlp.down_proj.weight``)."""
+        return self.gm.step_stats(self.current_stream(), self._stats_names)
 
     def clip_coefficient(self, max_norm: float, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coefficient, finite)`` as 0-d device tensors, no host sync: ``min(1, max_norm /

@@ -23,7 +23,8 @@ u64, u32, i32, f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_
 OLD_MULTI_MAX = 16
 OLD_ARGS = {
     "add_sr": (u64, u64, u64, f32, u64, u64, u64),
-    "add_sr_multi": (u64,) * (6 * OLD_MULTI_MAX) + (u32,) * (OLD_MULTI_MAX + 1) + (u32, f32, u64, u32),
+    # + the two statistics pointers of add_sr_multi_stats_*, which the plain kernels pack as 0
+    "add_sr_multi": (u64,) * (6 * OLD_MULTI_MAX) + (u32,) * (OLD_MULTI_MAX + 1) + (u32, f32, u64, u32, u64, u64),
     "reduce_sr": (u64, u64, u32, i32, f32, i32, u64, u64, u64, u64, u32, u32),
     "fill_u8": (u64, u64, u32),  # was fill_zero_u8 (u64, u64): the byte became an argument
     "norm_squared_finish": (u64, u32, u64, i32),
@@ -32,7 +33,7 @@ OLD_ARGS = {
     "seed_counter": (u64, u32, u64, u32, u32),  # + the rounding mode
 }
 OLD_SYMBOLS = 8 + 4 + 4 + 1 + 1 + 1 + 4 + 2
-MULTI_LAYOUT = "=" + "Q" * 96 + "I" * 18 + "f4xQI4x"  # struct MultiAddSr as C lays it out: 864 bytes
+MULTI_LAYOUT = "=" + "Q" * 96 + "I" * 18 + "f4xQI4xQQ"  # struct MultiAddSr as C lays it out: 880 bytes
 
 
 def old_args(symbol: str) -> tuple[Any, ...]:
@@ -42,7 +43,7 @@ def old_args(symbol: str) -> tuple[Any, ...]:
 def test_table_read_from_the_sources_equals_the_old_hand_written_one() -> None:
     old_modules = ("add_sr", "reduce_sr", "fill", "norm_squared", "philox_kat", "seed_counter")
     specs = {k: v for k, v in ks.kernel_specs().items()
-             if v.module in old_modules and not k.startswith("scale_sr")}  # the rest is newer than the table
+             if v.module in old_modules and not k.startswith(("scale_sr", "add_sr_multi_stats"))}  # newer
     assert len(specs) == OLD_SYMBOLS
     for symbol, spec in specs.items():
         assert spec.args == old_args(symbol), symbol
@@ -64,7 +65,7 @@ def test_struct_fields_keep_their_names_and_lengths() -> None:
     spec = ks.kernel_for("add_sr_multi", lg.bf16, lg.bf16, lg.fp32)
     assert [(p.name, p.count) for p in spec.params] == [
         ("dst", 16), ("a", 16), ("b", 16), ("seed", 16), ("offset", 16), ("n", 16), ("first", 17), ("count", 1),
-        ("scale", 1), ("counter", 1), ("layer", 1)]
+        ("scale", 1), ("counter", 1), ("layer", 1), ("stats_b", 1), ("stats_a", 1)]
     assert spec.flatten({p.name: [] if p.count > 1 else 0 for p in spec.params}) == [0] * len(spec.args)
     with pytest.raises(ValueError, match="takes"):
         spec.flatten({"dst": []})
@@ -276,7 +277,7 @@ def test_multi_tensor_launches_pack_the_old_bytes(launches: Launches, with_count
         buf = old_pack(OLD_ARGS["add_sr_multi"], *cols[0], *cols[1], *cols[2], *seeds[c:c + len(part)], *z,
                        *[off for *_, off in part], *z, *[d.numel for d, *_ in part], *z, *first,
                        *[first[-1]] * len(z), len(part), 0.25, counter.tensor.ptr if counter else 0,
-                       7 if with_counter else 0)
+                       7 if with_counter else 0, 0, 0)
         want.append((1000, min(first[-1], 300), spec.block, buf))
     fields = [(f, g, b, struct.unpack(MULTI_LAYOUT, buf)) for f, g, b, buf in want]
     assert [(f, g, b, struct.unpack(MULTI_LAYOUT, buf)) for f, g, b, buf in launches.calls] == fields

@@ -18,7 +18,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"core", "sr"},
     "cuda": {"core", "sr", "cuda"},
     "host": {"core", "sr", "host"},
-    "managers": {"core", "sr", "ops", "managers"},
+    "managers": {"core", "sr", "ops", "diagnostics", "managers"},
     "launch": {"core", "sr", "cuda", "host", "launch"},  # starting ranks: the one layer that picks a backend
     "diagnostics": {"core", "diagnostics"},
     "cli": {"core", "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "cli"},

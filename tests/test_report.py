@@ -110,3 +110,34 @@ def test_stats_checks() -> None:
     with pytest.raises(ValueError, match="maxabs"):
         Stats(ok, ok.astype(np.int64), ok + np.inf)
     Stats(ok + np.nan, ok.astype(np.int64) + 1, ok)  # NaN sums of squares are what a non-finite value gives
+
+
+def test_entries_not_measured_are_left_out_of_the_noise_scale() -> None:
+    """A manager cannot measure the non-block tensors per micro-step (the engine accumulates
+    them): those entries are -1/NaN, and the noise scale compares only the tensors measured at
+    both batch sizes, the same whether or not the unmeasured column exists."""
+    W, M, T = 2, 3, len(NAMES)
+    rng = np.random.default_rng(0)
+    micro = stats((W, M, T), sumsq=rng.uniform(1, 2, (W, M, T)))
+    acc = stats((W, T), sumsq=rng.uniform(1, 2, (W, T)))
+    full = StepStats(names=NAMES, layers=LAYERS, accumulated=acc, micro=micro, local=None, micro_batch=W,
+                     local_batch=1, step_batch=M * W, step=0, rank=0, world=W, micro_steps=M)
+    unmeasured = micro.sumsq.copy(), micro.nonfinite.copy(), micro.maxabs.copy()
+    for a, v in zip(unmeasured, (np.nan, -1, np.nan)):
+        a[..., 0] = v
+    part = StepStats(names=NAMES, layers=LAYERS, accumulated=acc, micro=Stats(*unmeasured), local=None,
+                     micro_batch=W, local_batch=1, step_batch=M * W, step=0, rank=0, world=W, micro_steps=M)
+    layer = LAYERS[0]
+    assert part.layer_summaries()[layer].noise != full.layer_summaries()[layer].noise or LAYERS.count(layer) == 1
+    cols = list(range(1, T))
+    sub = StepStats(names=[NAMES[t] for t in cols], layers=[LAYERS[t] for t in cols],
+                    accumulated=Stats(acc.sumsq[:, cols], acc.nonfinite[:, cols], acc.maxabs[:, cols]),
+                    micro=Stats(micro.sumsq[..., cols], micro.nonfinite[..., cols], micro.maxabs[..., cols]),
+                    local=None, micro_batch=W, local_batch=1, step_batch=M * W, step=0, rank=0, world=W,
+                    micro_steps=M)
+    assert part.summary().noise == sub.summary().noise and part.summary().noise is not None
+    assert part.first_nonfinite() is None
+    bad = micro.sumsq.copy(), micro.nonfinite.copy(), micro.maxabs.copy()
+    bad[1][0, 0, 0] = -1  # "not measured" but with values
+    with pytest.raises(ValueError, match="not measured"):
+        Stats(*bad)

@@ -212,8 +212,8 @@ def _bytes_per_micro(layout: Layout, strategy: str, world: int, first: bool) -> 
 def run(args: argparse.Namespace) -> int:
     """Run the demo for parsed ``args``; 0 on PASS, 1 on FAIL, 2 (one line on stderr, nothing
     run) for a bad layout, world, GPU count or output path. ``args.prog`` names the command."""
-    from lowgrad.launch.bootstrap import run_threads
     from lowgrad.cuda.device import Device, device_count
+    from lowgrad.launch.bootstrap import run_threads
 
     backend = args.backend
     if backend == "auto":

@@ -260,8 +260,8 @@ def _kernel_smoke() -> str:
 def _nccl_world1() -> str:
     import numpy as np
 
-    from lowgrad.launch.bootstrap import run_threads
     from lowgrad.core.tensor import from_numpy
+    from lowgrad.launch.bootstrap import run_threads
 
     def job(comm: object) -> float:
         t = from_numpy(np.full(8, 3.0, np.float32), comm.device, name="doctor")  # type: ignore[attr-defined]

@@ -122,11 +122,14 @@ def _enum_constants(text: str, consts: dict[str, int]) -> None:
                     pass
 
 
-def _includes(text: str, directory: Path, seen: dict[str, str]) -> None:
+def _includes(text: str, directory: Path, seen: dict[str, str], open_: frozenset[str] = frozenset()) -> None:
+    """Add every header ``text`` includes to ``seen``, each after the headers it includes itself
+    (the order a compiler reads them in, so an enum may use a constant of an earlier header)."""
     for h in _INCLUDE.findall(text):
-        if h not in seen:
-            seen[h] = _strip((directory / h).read_text())
-            _includes(seen[h], directory, seen)
+        if h not in seen and h not in open_:
+            body = _strip((directory / h).read_text())
+            _includes(body, directory, seen, open_ | {h})
+            seen[h] = body
 
 
 def _substitute(body: str, args: Mapping[str, str]) -> str:
@@ -136,7 +139,7 @@ def _substitute(body: str, args: Mapping[str, str]) -> str:
 
 def _expansions(text: str) -> Iterator[tuple[str, str, str]]:
     """(launch bounds, symbol, parameter list) of every entry point: written out, or in the body
-    of a macro and then once per use of the macro with its arguments substituted."""
+    of a macro (one or more) and then once per use of the macro with its arguments substituted."""
     macros = {}
     for name, formals, body in _DEFINE.findall(text):
         if _ENTRY.search(body):
@@ -150,10 +153,11 @@ def _expansions(text: str) -> Iterator[tuple[str, str, str]]:
             if len(actual) != len(formals):
                 raise ValueError(f"{name}({use.group(1)}): {len(actual)} arguments for {len(formals)} parameters")
             expanded = re.sub(r"\s*##\s*", "", _substitute(body, dict(zip(formals, actual))))
-            found = _ENTRY.search(expanded)
-            if found is None:
+            found = list(_ENTRY.finditer(expanded))  # a macro may declare several entry points
+            if not found:
                 raise ValueError(f"{name}({use.group(1)}): the expansion declares no kernel")
-            yield found.group(1) or "", found.group(2), found.group(3)
+            for f in found:
+                yield f.group(1) or "", f.group(2), f.group(3)
 
 
 def _declarator(decl: str, symbol: str) -> tuple[str, Any]:

@@ -26,6 +26,12 @@ P = ParamSpec("P")
 #: :class:`lowgrad.sr.seedcounter.SeedCounter` whose per-use seeds are read when the work runs
 SeedSource = tuple[Any, int, list[int]]
 
+#: where bound launches write gradient statistics (``lowgrad.ops`` checks it): a float64 tensor of
+#: shape ``(rows, columns, 3)`` and the column of each tensor; each (row, column) takes
+#: ``(sum of squares, non-finite count, largest finite |x|)``, the bits of
+#: :func:`lowgrad.sr.reference.grad_stats`
+StatsTarget = tuple[Tensor, list[int]]
+
 
 class Elementwise(Generic[P]):
     """An elementwise kernel of the contract: the declared method's signature and docstring are
@@ -122,12 +128,23 @@ class Kernels(ABC):
 
     @abstractmethod
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
-                          seeds: SeedSource) -> Callable[[int], None]:
+                          seeds: SeedSource, stats: StatsTarget | None = None) -> Callable[[int], None]:
         """:meth:`add_sr` of every ``(dst, a, b, index_offset)`` of ``items`` (one dtype triple,
         ``dst`` of ``a``'s dtype) fixed now: the returned ``f(stream)`` queues all of them. ``seeds``
         is ``(None, 0, one seed per item)`` or ``(counter, layer, one lane per item)``, whose
         per-use roundings are read when the work runs. Results equal separate :meth:`add_sr` calls;
-        ``f`` raises ClosedError as :meth:`bind_add_sr`'s does."""
+        ``f`` raises ClosedError as :meth:`bind_add_sr`'s does. With ``stats`` (seeds from a
+        counter) the same work also writes the statistics of item ``i``'s ``b`` to row ``m`` (the
+        counter's micro-step when it runs), column ``stats[1][i]``, and at micro-step 1 those of
+        its ``a`` before the add to row 0 (where a shard then holds micro-step 0's gradient)."""
+
+    @abstractmethod
+    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
+                        counter: Any) -> Callable[[int], None]:
+        """The statistics of every tensor (fp32 or bf16, one dtype) fixed now: the returned
+        ``f(stream)`` writes those of ``tensors[i]`` to row ``row`` (plus the micro-step of the
+        seed counter ``counter`` when it runs, when one is given), column ``columns[i]`` of ``out``
+        (a :data:`StatsTarget` tensor); ClosedError as :meth:`bind_add_sr`'s."""
 
     @abstractmethod
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad.core import capture, trace
-from lowgrad.core.dtypes import DType
+from lowgrad.core.dtypes import DType, byte
 from lowgrad.core.errors import ClosedError
-from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource
+from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for, struct_fields
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsTarget
 from lowgrad.core.tensor import Tensor
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.compiler import compile_kernels
@@ -120,6 +120,10 @@ class CudaKernels(Kernels):
         self.max_grid = device.sm_count * GRID_PER_SM
         c = constants("add_sr")
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
+        s = constants("grad_stats")  # the statistics' chunks are add_sr_multi's (a static_assert in add_sr.cu)
+        assert (s["STATS_MAX"], s["STATS_CHUNK"]) == (self.multi_max, self.multi_chunk)
+        self.every_micro = s["STATS_EVERY_MICRO"]
+        self.partial_bytes = sum(ctypes.sizeof(f.ctype) for f in struct_fields("grad_stats", "StatsPartial"))
         self._fill, self._copy, self._philox, self._seed_counter = (
             kernel(name) for name in ("fill_u8", "copy_u8", "philox_kat", "seed_counter"))
         super().__init__()
@@ -207,39 +211,109 @@ class CudaKernels(Kernels):
         return run
 
     def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float,
-                          seeds: SeedSource, blocks: int | None = None) -> Callable[[int], None]:
+                          seeds: SeedSource, stats: StatsTarget | None = None,
+                          blocks: int | None = None) -> Callable[[int], None]:
         """``f(stream)``: add_sr of every ``(dst, a, b, index_offset)`` (one dtype triple, ``dst``
         of ``a``'s dtype) in launches of up to ``MULTI_MAX`` tensors, everything packed here, once.
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
-        read on the device when the kernel runs). The grid is the resident one; ``blocks``
-        overrides it (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
-        spec = kernel_for("add_sr_multi", items[0][0].dtype, items[0][0].dtype, items[0][2].dtype)
+        read on the device when the kernel runs). With ``stats``, ``add_sr_multi_stats_*`` writes
+        each chunk's statistics of b (and at micro-step 1 of a) to partials made here, and two
+        ``grad_stats_finish`` launches after each add turn them into the rows. The grid is the
+        resident one; ``blocks`` overrides it (CUDA only, for tuning: launch shape is no part of
+        the kernel contract)."""
+        stem = "add_sr_multi" if stats is None else "add_sr_multi_stats"
+        spec = kernel_for(stem, items[0][0].dtype, items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
         counter, layer, cols_seed = seeds
         counter_ptr, counter_alloc = _counter_args(counter)
         grid_max = blocks or self.resident_blocks(func, spec.block)
-        mm, chunk = self.multi_max, self.multi_chunk
-        chunks = []
+        mm = self.multi_max
+        launches: list[tuple[Kernel, int]] = []
+        owned: list[Tensor] = []  # the partials, held as long as the bound launch
         for c in range(0, len(items), mm):
             part = items[c:c + mm]
-            first = [0]
-            for d, _, _, _ in part:
-                first.append(first[-1] + -(-d.numel // chunk))
+            first = self._chunks([d for d, _, _, _ in part], mm)
+            partials = [0, 0]
+            finish = []
+            if stats is not None:
+                columns = stats[1][c:c + len(part)]
+                # b's row is the micro-step's; a's is row 0, written at micro-step 1 only
+                for i, (row_of_micro, when) in enumerate(((True, self.every_micro), (False, 1))):
+                    t = self._partials(first[len(part)])
+                    owned.append(t)
+                    partials[i] = t.ptr
+                    finish.append(self._finish(t, first, columns, stats[0], 0, row_of_micro, when, counter_ptr))
             k = Kernel(spec, func)
             k.pack(*spec.flatten({
                 "dst": [d.ptr for d, _, _, _ in part], "a": [a.ptr for _, a, _, _ in part],
                 "b": [b.ptr for _, _, b, _ in part], "seed": cols_seed[c:c + len(part)],
                 "offset": [off for *_, off in part], "n": [d.numel for d, *_ in part],
-                "first": first + [first[-1]] * (mm - len(part)), "count": len(part), "scale": scale,
-                "counter": counter_ptr, "layer": layer}))
+                "first": first, "count": len(part), "scale": scale, "counter": counter_ptr, "layer": layer,
+                "stats_b": partials[0], "stats_a": partials[1]}))
             if first[-1]:
-                chunks.append((k, min(first[-1], grid_max)))
-        allocs = tuple(dict.fromkeys([t.allocation for item in items for t in item[:3]])) + counter_alloc
+                launches.append((k, min(first[-1], grid_max)))
+            launches += [(f, len(part)) for f in finish]
+        held = [t for item in items for t in item[:3]] + owned + ([stats[0]] if stats else [])
+        allocs = tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc
         name = items[0][0].name
 
         def run(stream: int) -> None:
             _check_open(allocs, name)
-            for k, grid in chunks:
+            for k, grid in launches:
+                k.launch_packed(grid, stream)
+        return run
+
+    def _chunks(self, tensors: list[Tensor], size: int) -> list[int]:
+        """``first``: tensor t owns chunks ``[first[t], first[t + 1])`` of ``CHUNK_ELEMS``
+        elements, padded with the total to ``size + 1`` entries."""
+        first = [0]
+        for t in tensors:
+            first.append(first[-1] + -(-t.numel // self.multi_chunk))
+        return first + [first[-1]] * (size - len(tensors))
+
+    def _partials(self, chunks: int) -> Tensor:
+        """Statistics of ``chunks`` chunks (``struct StatsPartial`` each), owned by a bound launch."""
+        return self.device.alloc(max(chunks, 1) * self.partial_bytes, byte, name="grad_stats_partials")
+
+    def _finish(self, partials: Tensor, first: list[int], columns: list[int], out: Tensor, row0: int,
+                add_micro: bool, when_micro: int, counter_ptr: int) -> Kernel:
+        """``grad_stats_finish`` of these partials, packed once (grid: one block per tensor)."""
+        spec = kernel("grad_stats_finish")
+        k = Kernel(spec, self.kernel(spec).func)
+        k.pack(*spec.flatten({"partials": partials.ptr, "first": first, "count": len(columns), "column": columns,
+                              "out": out.ptr, "row0": row0, "rows": out.shape[0], "row_stride": out.shape[1],
+                              "add_micro": int(add_micro), "when_micro": when_micro, "counter": counter_ptr}))
+        return k
+
+    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
+                        counter: Any) -> Callable[[int], None]:
+        """``f(stream)``: ``grad_stats_<dtype>`` over up to ``STATS_MAX`` tensors a launch (a
+        persistent grid over their chunks), then ``grad_stats_finish``; everything packed here."""
+        spec = kernel_for("grad_stats", tensors[0].dtype)
+        func = self.kernel(spec).func
+        grid_max = self.resident_blocks(func, spec.block)
+        counter_ptr, counter_alloc = _counter_args(counter)
+        mm = self.multi_max
+        launches: list[tuple[Kernel, int]] = []
+        owned: list[Tensor] = []
+        for c in range(0, len(tensors), mm):
+            part = tensors[c:c + mm]
+            first = self._chunks(part, mm)
+            partials = self._partials(first[-1])
+            owned.append(partials)
+            k = Kernel(spec, func)
+            k.pack(*spec.flatten({"x": [t.ptr for t in part], "n": [t.numel for t in part], "first": first,
+                                  "count": len(part), "partials": partials.ptr}))
+            if first[-1]:
+                launches.append((k, min(first[-1], grid_max)))
+            launches.append((self._finish(partials, first, columns[c:c + mm], out, row, counter is not None,
+                                          self.every_micro, counter_ptr), len(part)))
+        allocs = tuple(dict.fromkeys([t.allocation for t in (*tensors, *owned, out)])) + counter_alloc
+        name = tensors[0].name
+
+        def run(stream: int) -> None:
+            _check_open(allocs, name)
+            for k, grid in launches:
                 k.launch_packed(grid, stream)
         return run
 

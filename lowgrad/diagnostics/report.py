@@ -16,7 +16,10 @@ for T tensors in layout order (the non-block tensors, then layer 0's block tenso
 
 Each is a :class:`Stats` triple: ``sumsq`` the sum of squares of all values (so NaN or inf when one
 is), ``nonfinite`` the count of NaN and ±inf, ``maxabs`` the largest |x| of the finite values (0 for
-none). Squared norms and counts add over tensors and shards, and maxima take the maximum.
+none). Squared norms and counts add over tensors and shards, and maxima take the maximum. An entry
+that was not measured (a manager does not see every tensor at every level: the engine accumulates
+the non-block gradients itself) has ``nonfinite`` -1 and NaN in the other two; the noise scale
+then uses only the tensors measured at both batch sizes.
 
 Batch sizes are in samples, or any unit as long as they are in one: the micro-steps' batches add up
 to the step's (``step_batch = micro_steps * micro_batch``) and so do the local ones
@@ -53,10 +56,17 @@ class Stats:
         if not self.sumsq.shape == self.nonfinite.shape == self.maxabs.shape:
             raise ValueError(f"Stats arrays differ in shape: sumsq {self.sumsq.shape}, "
                              f"nonfinite {self.nonfinite.shape}, maxabs {self.maxabs.shape}")
-        if (self.sumsq < 0).any() or (self.nonfinite < 0).any():
-            raise ValueError("Stats.sumsq and Stats.nonfinite cannot be negative")
-        if not np.isfinite(self.maxabs).all() or (self.maxabs < 0).any():
+        measured = self.nonfinite >= 0
+        if (self.sumsq < 0).any() or (self.nonfinite < -1).any():
+            raise ValueError("Stats.sumsq cannot be negative, nor Stats.nonfinite below -1 (not measured)")
+        if not (np.isnan(self.sumsq[~measured]).all() and np.isnan(self.maxabs[~measured]).all()):
+            raise ValueError("an entry not measured (nonfinite -1) has NaN sumsq and maxabs")
+        if not np.isfinite(self.maxabs[measured]).all() or (self.maxabs[measured] < 0).any():
             raise ValueError("Stats.maxabs is the largest |x| of the finite values: finite and not negative")
+
+    def measured(self, lead: int) -> NDArray[np.bool_]:
+        """Per column (the last axis): measured in every entry of the ``lead`` leading axes."""
+        return np.asarray((self.nonfinite >= 0).all(axis=tuple(range(lead))))
 
 
 @dataclass(frozen=True)
@@ -189,10 +199,15 @@ class StepStats:
         total = float(acc.sumsq[:, start:end].sum())
         noise = noise_local = None
         if self.micro is not None:
-            noise = from_contributions(self.micro.sumsq[..., start:end].sum(axis=(0, 2)), self.micro_steps,
-                                       self.micro_batch, total, self.step_batch)
+            cols = np.arange(start, end)[self.micro.measured(2)[start:end]]  # the tensors measured per micro-step
+            if cols.size:
+                noise = from_contributions(self.micro.sumsq[..., cols].sum(axis=(0, 2)), self.micro_steps,
+                                           self.micro_batch, float(acc.sumsq[:, cols].sum()), self.step_batch)
         if self.local is not None:  # each rank's local gradient is its own small batch: no sum over ranks
-            local = self.local.sumsq[..., start:end].sum(axis=2)
-            noise_local = from_contributions(local, local.shape[1], self.local_batch, total, self.step_batch)
+            cols = np.arange(start, end)[self.local.measured(2)[start:end]]
+            if cols.size:
+                local = self.local.sumsq[..., cols].sum(axis=2)
+                noise_local = from_contributions(local, local.shape[1], self.local_batch,
+                                                 float(acc.sumsq[:, cols].sum()), self.step_batch)
         return Summary(float(np.sqrt(total)), int(acc.nonfinite[:, start:end].sum()),
                        float(acc.maxabs[:, start:end].max()), noise, noise_local)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from lowgrad.core import trace
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsTarget
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, Rounding, apply_op
@@ -18,6 +18,21 @@ def _roundings(source: SeedSource) -> list[Rounding]:
     """The fixed seeds' roundings, or those a counter's ``(layer, lanes)`` give right now."""
     counter, layer, values = source
     return [Rounding(s) for s in values] if counter is None else counter.host_roundings(layer, values)
+
+
+def _micro(counter: Any) -> int:
+    """The micro-step a seed counter holds now (the host backend runs work when it is queued)."""
+    return int(counter.tensor.numpy().view(COUNTER_DTYPE)[0]["micro"])
+
+
+def _write_stats(out: Tensor, row: int, columns: list[int], tensors: list[Tensor]) -> None:
+    """The statistics of each tensor (:func:`lowgrad.sr.reference.grad_stats`) into ``out[row, column]``
+    (a row past the end is not written, as on the device)."""
+    o = out.numpy()
+    if row >= o.shape[0]:
+        return
+    for col, t in zip(columns, tensors):
+        o[row, col] = reference.grad_stats(t.numpy().reshape(-1))
 
 
 def _trace(name: str, t: Tensor, stream: int) -> None:
@@ -68,13 +83,27 @@ class HostKernels(Kernels):
                     ) -> Callable[[int, int], None]:
         return lambda seed, stream: self.add_sr(dst, a, b, scale, seed, index_offset, stream)
 
-    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource
-                          ) -> Callable[[int], None]:
+    def bind_add_sr_multi(self, items: list[tuple[Tensor, Tensor, Tensor, int]], scale: float, seeds: SeedSource,
+                          stats: StatsTarget | None = None) -> Callable[[int], None]:
         twin: Twin = self.__dict__["add_sr"]
+        counter = seeds[0]
 
         def run(stream: int) -> None:
+            if stats is not None:  # read before the adds: a may be dst
+                micro = _micro(counter)
+                _write_stats(stats[0], micro, stats[1], [b for _, _, b, _ in items])
+                if micro == 1:
+                    _write_stats(stats[0], 0, stats[1], [a for _, a, _, _ in items])
             for (dst, a, b, off), rd in zip(items, _roundings(seeds)):
                 twin.apply({"dst": dst, "a": a, "b": b, "scale": scale, "index_offset": off}, rd, stream)
+        return run
+
+    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
+                        counter: Any) -> Callable[[int], None]:
+        def run(stream: int) -> None:
+            if trace.ENABLED:
+                _trace("grad_stats", out, stream)
+            _write_stats(out, row + (0 if counter is None else _micro(counter)), columns, tensors)
         return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,

@@ -19,7 +19,8 @@ STRATEGIES: dict[str, type[GradientManager]] = {
 
 def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
                             dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                            rounding: str | None = None, inline: bool | None = None) -> GradientManager:
+                            rounding: str | None = None, inline: bool | None = None,
+                            stats: bool = False) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
     ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
@@ -37,6 +38,11 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     True elsewhere is a ValueError. Same bits either way; inline won when the engine's work is
     compute-bound (a transformer's backward), the communication stream when it is a stream of
     memory-bound kernels (docs/protocol.md).
+
+    ``stats``: measure per-tensor gradient statistics (sum of squares, non-finite count, largest
+    finite |x|) of every micro-step's gradient inside the kernels that consume it, and of each
+    rank's own gradient before the exchange at world > 1; read them with ``gm.stats()`` /
+    ``gm.step_stats()`` (docs/diagnostics.md).
     """
     if not isinstance(strategy, str):  # a list or dict would fail the lookup as "unhashable"
         raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}; got {type(strategy).__name__} "
@@ -45,7 +51,8 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
         cls = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}") from None
-    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding, inline=inline)
+    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding, inline=inline,
+               stats=stats)
 
 
 __all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "UnshardedManager", "ShardedManager",

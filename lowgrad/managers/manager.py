@@ -38,21 +38,23 @@ only through the :class:`GraphHooks` it was handed at the capture (nothing here 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from lowgrad import ops
 from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
+from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32, fp64
 from lowgrad.core.errors import ClosedError, ProtocolError
 from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
+from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
 from lowgrad.managers.state import ManagerState
+from lowgrad.managers.stats import FIELDS, StatsRows
 from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
@@ -72,7 +74,8 @@ class GradientManager(ABC):
     _default_rounding: str | None = DEFAULT_ROUNDING
 
     def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                 offload: bool = False, rounding: str | None = None, inline: bool | None = None) -> None:
+                 offload: bool = False, rounding: str | None = None, inline: bool | None = None,
+                 stats: bool = False) -> None:
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
         self.dtype = as_dtype(dtype)
@@ -86,6 +89,8 @@ class GradientManager(ABC):
         step = check_step("step", step)
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
+        if not isinstance(stats, bool):
+            raise TypeError(f"stats must be a bool, got {type(stats).__name__} {stats!r}")
         if rounding is not None and self._default_rounding is None:
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
                              "adds into the full gradients); choose a sharded strategy to pick a rounding")
@@ -110,6 +115,14 @@ class GradientManager(ABC):
                                        self._replay_done, self._capture_closing, self._capture_ended)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
+        #: the statistics (``stats=True``): allocated at the first micro-step 0 for its step's
+        #: micro-step count, and again when a step has more (between steps)
+        self._stats_on, self._stats_m = stats, 0
+        self._stats: Tensor | None = None
+        self._gathered: Tensor | None = None
+        self._rows: StatsRows | None = None
+        self._step_pass: Callable[[int], None] | None = None
+        self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -151,7 +164,15 @@ class GradientManager(ABC):
         self._protocol.check_start(micro_step, total_micro_steps, self.step)
         if micro_step == 0 and self._recording is None:  # a capture's step number is checked at replay
             check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
+        grow = self._stats_on and micro_step == 0 and (self._rows is None or total_micro_steps > self._rows.capacity)
+        if grow:
+            capture.forbid(f"start_micro_step(0) of {total_micro_steps} micro-steps with stats=True (its statistics "
+                           "need memory for that many: run one such step before capturing)")
+            self._alloc_stats(total_micro_steps)
         self._protocol.start(micro_step, total_micro_steps)
+        if self._stats is not None and micro_step == 0:
+            self._stats_m = total_micro_steps
+            ops.fill_nan(self._stats, stream)  # NaN: not measured (yet) in this step
         self._join(stream)
         if micro_step > 0:  # on the stream whose SR kernels read it next
             self._counter.next_micro(stream_handle(stream) if self._inline else self._comm_handle)
@@ -374,6 +395,8 @@ class GradientManager(ABC):
         for name, t in self._nb_full.items():
             if name not in self._protocol.nb_touched:
                 ops.fill_zero(t, self.comm_stream)
+        if self._nb_local is not None:
+            self._nb_local(self._comm_handle)
         if self.world > 1:  # world 1: the mean is the gradient
             self._reduce_scatter_all(self._nb_list)
         self._record(self._nb_done, self.comm_stream)
@@ -432,6 +455,68 @@ class GradientManager(ABC):
         self.comm.all_reduce(self._norm, op="sum", stream=stream)
         return self._norm
 
+    # ---- gradient statistics (stats=True) -------------------------------------------------
+    def _alloc_stats(self, capacity: int) -> None:
+        """Statistics rows for steps of up to ``capacity`` micro-steps (:mod:`lowgrad.managers.stats`),
+        and every launch that writes them bound again."""
+        micro, local = self._stats_kinds()
+        rows = StatsRows.of(self.layout, capacity, micro, local if self.world > 1 else None)
+        shape = (rows.rows, rows.columns, len(FIELDS))
+        out = self.device.alloc(shape, fp64, name="grad_stats")
+        gathered = self.device.alloc((self.world, *shape), fp64, name="grad_stats_gathered") if self.world > 1 else None
+        # the old rows are dropped, not closed: a graph captured before holds them (and writes there)
+        self._stats, self._gathered, self._rows = out, gathered, rows
+        shards = self.shards()  # block shards layer by layer, then the non-block ones
+        columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
+        self._step_pass = ops.bind_grad_stats(shards, out, columns, rows.step_row) if shards else None
+        self._bind()
+
+    def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
+        """Check and pack the strategy's per-layer launches once (again when the statistics are
+        allocated: :meth:`_stats_target` then says where they go)."""
+
+    def _stats_kinds(self) -> tuple[bool, str | None]:
+        """Which rows the strategy measures at world > 1 (:class:`StatsRows`' ``micro`` and
+        ``local``); at world 1 the local rows are never measured."""
+        return False, None
+
+    def _stats_target(self) -> tuple[Tensor, StatsRows] | None:
+        """Where the bound launches write statistics (None: they write none)."""
+        return None if self._stats is None or self._rows is None else (self._stats, self._rows)
+
+    def stats(self, stream: StreamLike = None) -> Tensor:
+        """The completed step's gradient statistics (``stats=True``): a float64 device tensor of
+        shape ``(world, rows, tensors, 3)`` holding every rank's rows, laid out as
+        :mod:`lowgrad.managers.stats` says (per tensor: sum of squares, non-finite count, largest
+        finite |x|; per micro-step, per rank's local gradient, and of the accumulated gradient).
+        Computes the accumulated gradient's row and gathers every rank's rows on ``stream``
+        without blocking the host; a collective at world > 1 (every rank calls it). The manager
+        reuses the tensor: the next call, or the next step, overwrites it. Valid between steps,
+        after a completed step (ProtocolError otherwise); ValueError for a manager made without
+        ``stats=True``."""
+        h = self._check_call("stats", stream)
+        if not self._stats_on:
+            raise ValueError("stats(): the manager was created without stats=True")
+        self._protocol.check_readable("stats", self.step)
+        out, rows = self._stats, self._rows
+        assert out is not None and rows is not None, "a completed step allocated the statistics"
+        self._wait(self._comm_done, stream)
+        if self._step_pass is not None:
+            self._step_pass(h)
+        if self._gathered is None:
+            return out.reshape(1, *out.shape)
+        self.comm.all_gather(out, out=self._gathered, stream=stream)
+        return self._gathered.reshape(self.world, *out.shape)
+
+    def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
+        """:meth:`stats` read on the host (a sync of ``stream``) as a
+        :class:`lowgrad.diagnostics.StepStats`: per parameter, per layer and global norms, the
+        noise scale, the first non-finite value (``first_nonfinite()``). ``names``: the column
+        names to report (default ``"<non-block name>"`` and ``"layers.<l>.<block name>"``)."""
+        host = self.stats(stream).numpy()
+        assert self._rows is not None
+        return self._rows.step_stats(host, self._stats_m, self.step - 1, self.rank, names)
+
     def memory_report(self) -> Any:
         """Bytes by allocation name and kind on this rank's device."""
         return self.device.memory_report()
@@ -460,6 +545,9 @@ class GradientManager(ABC):
         self._closed = True
         for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
             t.close()
+        for t in (self._stats, self._gathered):
+            if t is not None:
+                t.close()
 
     @abstractmethod
     def _owned(self) -> list[Tensor]:
@@ -543,7 +631,9 @@ class GradientManager(ABC):
         self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
 
     def _graph_allocations(self) -> tuple[Any, ...]:
-        return tuple(t.allocation for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm))
+        stats = () if self._stats is None else (self._stats,)
+        return tuple(t.allocation for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm,
+                                            *stats))
 
     def __enter__(self) -> GradientManager:
         return self

@@ -18,18 +18,18 @@ accumulation finished: the engine's stream waits on an event, never the host.
 At world 1 with device shards there is nothing to exchange, and the manager works *inline*
 (unless created with ``inline=False``): on micro-step 0 the engine writes straight into the
 shards (no copy), after it the SR accumulation runs on the engine's stream at ``notify_block``.
-Measured on an H200 (BENCHMARKS.md runs 19–30): beside a 0.5B model's backward on the
-communication stream the accumulation slowed the step by about 3× its own kernel time, and
-inline it costs its kernel time; beside an engine of memory-bound copies (tools/bench_manager.py)
-the communication stream is the faster one, by the kernel tails it overlaps. With offload the
-accumulation crosses PCIe and stays on the communication stream.
+Inline is the default because beside a transformer's backward the accumulation on a second
+stream slows the step by several times its own kernel time (it competes with compute-bound
+kernels for the SMs), while inline it costs its kernel time; beside an engine of memory-bound
+copies the second stream is the faster one, by the kernel tails it overlaps (the measurements
+are in BENCHMARKS.md). With offload the accumulation crosses PCIe and stays on the
+communication stream.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core import capture
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.managers.manager import GradientManager
@@ -58,9 +58,24 @@ class ShardedManager(GradientManager):
         self._offsets = offsets = [self._shard_offset(s) for s in self.layout.block]
         self._own = [[shard_view(t, self.rank, self.world) for t in buf] for buf in self._buffers]
         lanes = [2 * i for i in range(len(self.layout.block))]  # phase 0
+        target = self._stats_target()
+        micro = target is not None and target[1].micro
+        local = target is not None and target[1].local == "micro"
+
+        def stats(l: int) -> tuple[Any, list[int]] | None:
+            return (target[0], target[1].layer_columns(l)) if micro and target is not None else None
         self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
-                                            zip(self._shards[l], self._own[l % 2], offsets)], (self._counter, l, lanes))
+                                            zip(self._shards[l], self._own[l % 2], offsets)], (self._counter, l, lanes),
+                                           stats=stats(l))
                      for l in range(self.layout.num_layers)] if self.layout.block else []
+        # each rank's own gradient, measured before the exchange changes it (world > 1)
+        self._local = [ops.bind_grad_stats(self._buffers[l % 2], target[0], target[1].layer_columns(l),
+                                           target[1].local_row, counter=self._counter)
+                       for l in range(self.layout.num_layers)] if local and target is not None else []
+
+    def _stats_kinds(self) -> tuple[bool, str | None]:
+        # all_to_all at world > 1 never holds the reduced gradient of a micro-step
+        return self.world == 1 or self.strategy == "scatter_reduce", "micro"
 
     def _events(self) -> list[Any]:
         return [*super()._events(), *self._free]
@@ -93,18 +108,18 @@ class ShardedManager(GradientManager):
 
     def _exchange(self, layer: int) -> None:
         """The strategy: queue layer ``layer``'s exchange and accumulation on the communication stream."""
+        if self._local:
+            self._local[layer](self._comm_handle)
         if self.world > 1:  # the mean over one rank is the gradient itself
             self._reduce_scatter_all(self._buffers[layer % 2])
         self._add_own(layer, self._protocol.micro == 0)
 
     def _add_own(self, layer: int, first: bool) -> None:
         """Shard += own slice (phase-0 noise); a copy on micro-step 0 (by the GPU's cores: no copy
-        engine queue shared with other ranks' graphs, see Kernels.copy)."""
+        engine queue shared with other ranks' graphs, see ops.copy_on_cores)."""
         if first:
-            kernels = self.device.kernels
             for shard, own in zip(self._shards[layer], self._own[layer % 2]):
-                capture.keep_tensors(shard, own)
-                kernels.copy(shard, own, self._comm_handle)
+                ops.copy_on_cores(shard, own, self._comm_handle)
         elif self._acc:
             self._acc[layer](self._comm_handle)
 
@@ -135,6 +150,8 @@ class AllToAllManager(ShardedManager):
                      for l in range(self.layout.num_layers)] if W > 1 else []
 
     def _exchange(self, layer: int) -> None:
+        if self._local:
+            self._local[layer](self._comm_handle)
         self._add_own(layer, self._protocol.micro == 0)  # consumes the own slot before the exchange
         if self.world > 1:  # world 1: no peers, the own slice is the whole mean
             h, last = self._comm_handle, int(self.last_micro_step)

@@ -3,6 +3,9 @@ accumulates into them; on the last micro-step each tensor is reduce-scattered (a
 and the shards are views of the full buffers."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from lowgrad import ops
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.managers.manager import GradientManager
@@ -21,6 +24,21 @@ class UnshardedManager(GradientManager):
                       for _ in range(self.layout.num_layers)]
         lazy.commit()
         self._containers = [self._container(ts) for ts in self._tensors]
+        self._local: list[Callable[[int], None]] = []
+
+    def _bind(self) -> None:
+        target = self._stats_target()
+        if target is None or target[1].local != "step":
+            return
+        out, rows = target
+        # each rank's gradient accumulated over the step, measured before the reduce-scatter
+        self._local = [ops.bind_grad_stats(self._tensors[l], out, rows.layer_columns(l), rows.local_row)
+                       for l in range(self.layout.num_layers)] if self.layout.block else []
+        if self._nb_list:
+            self._nb_local = ops.bind_grad_stats(self._nb_list, out, rows.non_block_columns(), rows.local_row)
+
+    def _stats_kinds(self) -> tuple[bool, str | None]:
+        return False, "step"
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).
@@ -37,6 +55,8 @@ class UnshardedManager(GradientManager):
     def _exchange_block(self, layer: int, stream: StreamLike) -> None:
         if self.last_micro_step and self.world > 1:  # world 1: the mean is the gradient
             self._join(stream)
+            if self._local:
+                self._local[layer](self._comm_handle)
             self._reduce_scatter_all(self._tensors[layer])
 
     def block_shard(self, layer: int, stream: StreamLike) -> Container:

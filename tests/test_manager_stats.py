@@ -1,0 +1,159 @@
+"""Gradient statistics of the managers (``stats=True``) on the host backend: every row against a
+float64 reference of what the engine wrote and what the manager holds, on every strategy at
+world 1, 2 and 4; the rows not measured; the non-finite report; the refusals."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from test_managers import STRATS, bf16_grad, drive, small_layout
+
+import lowgrad as lg
+from lowgrad.diagnostics.report import StepStats
+from lowgrad.managers import ProtocolError
+
+M = 3
+
+
+def ranks_stats(world: int, strategy: str, offload: bool, gfun: Any = bf16_grad, steps: int = 2
+                ) -> list[tuple[dict[str, np.ndarray], StepStats]]:
+    """Each rank's shards and step statistics after ``steps`` steps of M micro-steps."""
+    layout = small_layout()
+
+    def job(comm: Any) -> tuple[dict[str, np.ndarray], StepStats]:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, stats=True)
+        for step in range(steps):
+            shards = drive(comm, layout, strategy, offload, M, gm=gm, first_step=step, gfun=gfun)
+            stats = gm.step_stats()
+            assert stats.step == step and stats.micro_steps == M and stats.world == world
+        gm.close()
+        return shards, stats
+    return lg.run_threads(world, job, backend="host")
+
+
+def columns() -> list[tuple[str, int, int]]:
+    """(name, layer, index in its list) per column: non-block first, then each layer's block."""
+    layout = small_layout()
+    return ([(s.name, -1, i) for i, s in enumerate(layout.non_block)]
+            + [(f"layers.{l}.{s.name}", l, i) for l in range(layout.num_layers) for i, s in enumerate(layout.block)])
+
+
+def sq(x: np.ndarray) -> float:
+    return float((x.astype(np.float64) ** 2).sum())
+
+
+@pytest.mark.parametrize("strategy,offload", STRATS)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_rows_equal_a_float64_reference(world: int, strategy: str, offload: bool) -> None:
+    results = ranks_stats(world, strategy, offload)
+    cols = columns()
+    last = 1  # the step the statistics are of
+    stats = results[0][1]
+    assert stats.names == tuple(n for n, _, _ in cols)
+    for r, (shards, other) in enumerate(results):  # every rank holds every rank's rows
+        assert np.array_equal(other.accumulated.sumsq, stats.accumulated.sumsq, equal_nan=True)
+        for t, (name, layer, i) in enumerate(cols):
+            shard = shards[f"nb.{name}" if layer < 0 else f"{layer}.{small_layout().block[i].name}"]
+            acc = stats.accumulated
+            assert acc.sumsq[r, t] == pytest.approx(sq(shard), rel=1e-6), (r, name)
+            assert acc.nonfinite[r, t] == 0 and acc.maxabs[r, t] == np.abs(shard).max()
+    sharded = strategy != "unsharded"
+    micro_measured = sharded and (world == 1 or strategy == "scatter_reduce")
+    assert (stats.micro is not None) == micro_measured
+    assert (stats.local is not None) == (world > 1)
+    layout = small_layout()
+    for t, (_, layer, i) in enumerate(cols):
+        shape = layout.non_block[i].shape if layer < 0 else layout.block[i].shape
+        if stats.micro is not None:
+            for m in range(M):
+                if layer < 0:  # the engine accumulates the non-block gradients: not measured
+                    assert (stats.micro.nonfinite[:, m, t] == -1).all() and np.isnan(stats.micro.sumsq[:, m, t]).all()
+                    continue
+                mean = sum(bf16_grad(r, m, layer, i, shape, last).astype(np.float64) for r in range(world)) / world
+                per = shape[0] // world
+                for r in range(world):
+                    want = sq(mean[r * per:(r + 1) * per])
+                    assert stats.micro.sumsq[r, m, t] == pytest.approx(want, rel=1e-6 if world == 1 else 2e-2)
+        if stats.local is not None:
+            for r in range(world):
+                if strategy == "unsharded":  # the step's accumulated local gradient, before the reduce-scatter
+                    want = sq(sum(bf16_grad(r, m, layer, i, shape, last).astype(np.float64) for m in range(M)))
+                    assert stats.local.sumsq[r, 0, t] == pytest.approx(want, rel=2e-2)
+                elif layer < 0:
+                    assert (stats.local.nonfinite[r, :, t] == -1).all()
+                else:
+                    for m in range(M):
+                        g = bf16_grad(r, m, layer, i, shape, last)
+                        assert stats.local.sumsq[r, m, t] == pytest.approx(sq(g), rel=1e-6)
+                        assert stats.local.maxabs[r, m, t] == np.abs(g).max() and stats.local.nonfinite[r, m, t] == 0
+    if micro_measured:  # three micro-steps against the step: an estimate exists
+        assert stats.summary().noise is not None
+
+
+def nan_at(rank: int, micro: int, layer: int, index: int) -> Any:
+    def gfun(r: int, m: int, l: int, i: int, shape: tuple[int, ...], step: int = 0) -> np.ndarray:
+        g = bf16_grad(r, m, l, i, shape, step)
+        if (r, m, l, i, step) == (rank, micro, layer, index, 1):
+            g.reshape(-1)[3] = np.nan
+        return g
+    return gfun
+
+
+@pytest.mark.parametrize("strategy,offload", STRATS)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_first_non_finite_value_is_named(world: int, strategy: str, offload: bool) -> None:
+    rank = world - 1
+    results = ranks_stats(world, strategy, offload, gfun=nan_at(rank, 1, 2, 0))
+    reports = [s.first_nonfinite() for _, s in results]
+    assert all(rep == reports[0] for rep in reports)  # the same report on every rank
+    rep = reports[0]
+    assert rep is not None and rep.parameter == "layers.2.w1" and rep.layer == 2 and rep.step == 1
+    if world > 1:  # each rank's own gradient names the rank
+        assert (rep.source, rep.rank) == ("local", rank)
+        assert rep.micro_step == (None if strategy == "unsharded" else 1)
+    elif strategy == "unsharded":  # world 1, nothing per micro-step: the accumulated gradient
+        assert (rep.source, rep.micro_step) == ("step", None)
+    else:
+        assert (rep.source, rep.micro_step) == ("micro", 1)
+    assert "layers.2.w1 non-finite" in str(rep) and "step 1 skipped" in str(rep)
+
+
+def test_stats_refused_without_stats_true_before_a_step_and_during_one() -> None:
+    def job(comm: Any) -> None:
+        layout = small_layout()
+        plain = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce")
+        drive(comm, layout, "scatter_reduce", False, 2, gm=plain)
+        with pytest.raises(ValueError, match="stats=True"):
+            plain.stats()
+        with pytest.raises(TypeError, match="stats must be a bool"):
+            lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=1)
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        with pytest.raises(ProtocolError):
+            gm.stats()
+        gm.start_micro_step(None, 0, 2)
+        with pytest.raises(ProtocolError):
+            gm.stats()
+        gm.close()
+        with pytest.raises(lg.ClosedError):
+            gm.stats()
+    lg.run_threads(1, job, backend="host")
+
+
+def test_more_micro_steps_later_regrow_the_rows() -> None:
+    """A step of more micro-steps than any before gets rows for them (between steps), with the
+    same values a manager made for that many from the start would hold."""
+    layout = small_layout()
+
+    def job(comm: Any) -> tuple[StepStats, StepStats]:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        drive(comm, layout, "scatter_reduce", False, 4, gm=gm, first_step=1, gfun=bf16_grad)
+        grown = gm.step_stats()
+        fresh = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True, step=1)
+        drive(comm, layout, "scatter_reduce", False, 4, gm=fresh, first_step=1, gfun=bf16_grad)
+        return grown, fresh.step_stats()
+    grown, fresh = lg.run_threads(1, job, backend="host")[0]
+    assert grown.micro is not None and fresh.micro is not None and grown.micro_steps == 4
+    assert np.array_equal(grown.micro.sumsq, fresh.micro.sumsq, equal_nan=True)
+    assert np.array_equal(grown.accumulated.sumsq, fresh.accumulated.sumsq)
