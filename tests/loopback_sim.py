@@ -25,9 +25,9 @@ import pytest
 import lowgrad as lg
 from lowgrad.cuda import loopback
 from lowgrad.cuda.compiler import constants
-from lowgrad.host.reduce import host_reduce
 from lowgrad.host.device import HostDevice
 from lowgrad.host.kernels import HostKernels
+from lowgrad.host.reduce import host_reduce
 
 C = constants("loopback")
 OPS = {C["LB_SUM"]: "sum", C["LB_MAX"]: "max", C["LB_AVG"]: "avg"}
