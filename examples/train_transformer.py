@@ -21,6 +21,13 @@ the verdict: PASS when every loss is finite and the loss fell (exit status 0), e
 setup that cannot run (PyTorch or transformers missing, ``--profile`` without a GPU) is one line
 on stderr and exit status 2.
 
+``--stats PATH.jsonl`` (lowgrad mode) measures per-tensor gradient statistics inside the
+accumulation (``attach(stats=True)``) and logs each step's norms per layer, the gradient noise
+scale and the first non-finite value to a JSON-lines file (``lowgrad.diagnostics.StepLog``;
+``tools/grad_report.py`` turns it into a table and plots). ``--inject-nan STEP:MICRO:PARAM``
+writes one NaN into parameter PARAM's gradient at that micro-step of that step, to see the step
+skipped and the report that names it.
+
     python3 examples/train_transformer.py --mode lowgrad --strategy scatter_reduce --steps 300 --json out.json
 """
 from __future__ import annotations
@@ -47,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _cli import CannotRun, Parser, int_at_least, require_cuda, run  # first: says why lowgrad is missing
 
 import lowgrad as lg
+from lowgrad.diagnostics import StepLog
 
 if torch is not None:
     import lowgrad.torch  # lowgrad.torch.attach
@@ -109,7 +117,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "lowgrad":
         rounding = None if args.strategy == "unsharded" else args.rounding
         attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding,
-                                        overlap=not args.no_overlap)
+                                        overlap=not args.no_overlap, stats=args.stats is not None)
         opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
     elif args.mode == "torch_bf16":
         masters = [p.detach().float().clone().requires_grad_() for p in params]
@@ -123,6 +131,13 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     prof, profiled, cprof = None, None, None
     host_s: list[float] = []  # lowgrad's host time per step (hooks and micro-step bookkeeping)
     phases = Phases(M, cuda)
+    log = StepLog(args.stats, rank=comm.rank) if args.stats and attached is not None else None
+    skipped: list[int] = []
+    reports: list[str] = []
+    inject = args.inject_nan
+    if inject is not None and inject[2] not in dict(model.named_parameters()):
+        raise CannotRun(f"--inject-nan: the model has no parameter {inject[2]!r} (e.g. "
+                        f"{next(iter(dict(model.named_parameters())))!r})")
     for step in range(args.steps):
         host0 = attached.host_seconds if attached is not None else 0.0
         if args.profile and step == PROFILE_FROM:
@@ -143,15 +158,25 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
                 logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1)) / M
             phases.mark(1 + 2 * m)
+            hook = None
+            if inject is not None and (step, m) == inject[:2]:
+                hook = dict(model.named_parameters())[inject[2]].register_hook(poison)
             if attached is not None:
                 with attached.micro_step(m, M):
                     loss.backward()
             else:
                 loss.backward()
+            if hook is not None:
+                hook.remove()
             phases.mark(2 + 2 * m)
             total += loss.detach()
         if attached is not None:
-            opt.step(max_norm=args.clip)
+            if not opt.step(max_norm=args.clip):  # a non-finite gradient norm: nothing changed
+                skipped.append(step)
+            if log is not None:
+                record = log.record(attached.step_stats(), skipped=step in skipped)
+                if record["nonfinite"] is not None:
+                    reports.append(record["nonfinite"]["message"])
         else:
             torch.nn.utils.clip_grad_norm_(params, args.clip)
             if masters is not None:
@@ -192,11 +217,21 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
            "lowgrad_host_ms_median": 1e3 * statistics.median(host_s[min(2, len(host_s) - 1):]) if host_s else None,
            "lowgrad": attached.gm.memory_report().as_dict() if attached is not None else None,
            "phases": phases.summary(skip=min(2, args.steps - 1)),
-           "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled}
+           "device": "cuda" if cuda else "cpu", "date": time.strftime("%Y-%m-%d"), "profile": profiled,
+           "skipped_steps": skipped, "nonfinite_reports": reports, "stats_log": args.stats if log else None}
+    if log is not None:
+        log.close()
     if attached is not None:
         opt.close()
         attached.close()
     return out
+
+
+def poison(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient with a NaN in its first element (``--inject-nan``)."""
+    grad = grad.clone()
+    grad.view(-1)[0] = math.nan
+    return grad
 
 
 PROFILE_FROM, PROFILE_STEPS = 3, 3
@@ -351,6 +386,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, help=by_device("log_every") + "; 0: no step lines")
     p.add_argument("--json", default=None)
+    p.add_argument("--stats", metavar="PATH.jsonl",
+                   help="lowgrad: measure gradient statistics and log each step's to this JSON-lines file")
+    p.add_argument("--inject-nan", metavar="STEP:MICRO:PARAM",
+                   help="a NaN in parameter PARAM's gradient at micro-step MICRO of step STEP")
     p.add_argument("--profile", action="store_true",
                    help=f"profile steps {PROFILE_FROM}..{PROFILE_FROM + PROFILE_STEPS - 1}: GPU time per stream and "
                         "how much of the side streams' work (lowgrad's) overlaps the compute stream (needs a GPU)")
@@ -379,7 +418,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
                         "install a CUDA build of PyTorch")
     if args.profile and args.steps < PROFILE_FROM + PROFILE_STEPS:
         p.error(f"--profile needs --steps >= {PROFILE_FROM + PROFILE_STEPS}")
-    for opt, out in (("--json", args.json), ("--save-grads", args.save_grads)):
+    if args.stats and args.mode != "lowgrad":
+        p.error("--stats measures lowgrad's gradients: it needs --mode lowgrad")
+    if args.inject_nan is not None:
+        step, micro, name = (args.inject_nan.split(":", 2) + ["", ""])[:3]
+        if not (step.isdigit() and micro.isdigit() and name):
+            p.error(f"--inject-nan takes STEP:MICRO:PARAM, got {args.inject_nan!r}")
+        args.inject_nan = (int(step), int(micro), name)
+    for opt, out in (("--json", args.json), ("--save-grads", args.save_grads), ("--stats", args.stats)):
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise CannotRun(f"{opt} {out}: no such directory")
     return args, backend
@@ -420,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         print("  GPU lag ms at " + ", ".join(f"{n} {v:.1f}" for n, v in ph["lag_ms"].items()))
     print(f"{result['label']}: final loss {result['loss'][-1]:.4f}, "
           f"median step {result['step_ms_median']:.1f} ms")
+    if result["skipped_steps"]:
+        print(f"skipped steps (non-finite gradient norm): {result['skipped_steps']}")
+    for line in result["nonfinite_reports"]:
+        print(f"  {line}")
+    if result["stats_log"]:
+        print(f"gradient statistics: {result['stats_log']} (python3 tools/grad_report.py --log {result['stats_log']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

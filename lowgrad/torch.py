@@ -154,7 +154,7 @@ class Attached:
         self._stats_names = tuple(full[id(p)] for _, p in non_block_params) + tuple(
             full[id(p)] for ps in block_params for _, p in ps)
         self.device = comm.device
-        self._meets = bool(getattr(comm, "meets_peers_on_host", False))
+        self._meets = bool(comm.meets_peers_on_host)  # a capability of the communicator contract
         self._thread = 0  # the thread that entered the micro-step
         self._defer: bool | None = None  # this micro-step delivers at the end (decided at its first gradient)
         self._host_ns = 0

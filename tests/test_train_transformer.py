@@ -32,3 +32,26 @@ def test_every_mode_trains_from_the_same_start(tmp_path: Path) -> None:
         assert r["loss"][-1] < r["loss"][0]
     assert runs["lowgrad"]["loss"][0] == runs["torch_bf16"]["loss"][0]  # same bf16 model and data
     assert runs["lowgrad"]["strategy"] == "all_to_all" and runs["lowgrad"]["lowgrad"]  # its memory report
+
+
+@pytest.mark.timeout(300)
+def test_stats_log_names_an_injected_nan_and_the_step_is_skipped(tmp_path: Path) -> None:
+    """--stats logs every step; --inject-nan puts one NaN into one parameter's gradient at one
+    micro-step: that step is skipped (nothing changes), its line and the run's report name the
+    parameter and the micro-step, and the other steps have a noise scale."""
+    from lowgrad.diagnostics import read_log
+    log, out = tmp_path / "grad.jsonl", tmp_path / "run.json"
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert tt.main(["--size", "tiny", "--steps", "5", "--micro-steps", "3", "--batch", "2", "--seq", "32",
+                    "--log-every", "0", "--stats", str(log), "--inject-nan", f"2:1:{name}", "--json", str(out)]) == 0
+    run = json.loads(out.read_text())
+    lines = read_log(log)
+    assert [x["step"] for x in lines] == list(range(5)) and run["skipped_steps"] == [2]
+    assert [x["skipped"] for x in lines] == [False, False, True, False, False]
+    bad = lines[2]["nonfinite"]
+    assert bad["parameter"] == name and bad["micro_step"] == 1 and name in run["nonfinite_reports"][0]
+    assert all(x["nonfinite"] is None and x["global"]["noise"] is not None for x in lines if x["step"] != 2)
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--mode", "torch_bf16", "--stats", str(log)])
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--inject-nan", "2:x"])

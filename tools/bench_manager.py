@@ -10,6 +10,10 @@ the bytes the engine and manager must move, and the ratio floor/time where the f
 bytes at the device-to-device copy bandwidth measured in the same run (for offload: the shard
 traffic at the pinned H2D + D2H bandwidth). Prints a table, writes JSON.
 
+With ``--stats-rounds N`` it also measures what the gradient statistics (``stats=True``) cost:
+N rounds of each selected strategy with statistics off and on, interleaved, and the micro-step
+time's ratio on/off per round (median and spread).
+
 With ``--share-gpu --world N`` every rank runs on the one GPU through the loopback communicator:
 all ranks share one HBM, so the floor is the sum of all ranks' bytes at the copy bandwidth, and
 the exchange is device traffic too (a reduce-scatter reads the layer once and writes its shard;
@@ -55,9 +59,10 @@ def run_label(strategy: str, offload: bool, inline: bool | None) -> str:
 
 def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int, steps: int,
           bw: dict[str, float], engine_writes: bool = True, shared: bool = False,
-          inline: bool | None = None) -> dict[str, Any]:
+          inline: bool | None = None, stats: bool = False) -> dict[str, Any]:
     dev, world = comm.device, comm.world
-    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1, inline=inline)
+    gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=1, inline=inline,
+                                    stats=stats)
     on_engine_stream = gm.inline
     stream = dev.stream()
     layer_bytes = max(sum(align_up(2 * s.numel) for s in layout.block),
@@ -136,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manager-only", action="store_true",
                    help="the engine writes nothing (gradients keep the pool's first values): the manager's "
                         "own exchange and SR traffic against its own floor")
+    p.add_argument("--stats-rounds", type=int, default=0,
+                   help="also measure stats=True: this many rounds of each strategy with statistics off and on")
     p.add_argument("--timeout", type=float, default=None, help="seconds any rank waits for another")
     p.add_argument("--json", help=output_help("bench_manager.json"))
     args = p.parse_args(argv)
-    if args.world < 1 or args.micro_steps < 1 or args.steps < 1:
-        p.error("--world, --micro-steps and --steps must be at least 1")
+    if args.world < 1 or args.micro_steps < 1 or args.steps < 1 or args.stats_rounds < 0:
+        p.error("--world, --micro-steps and --steps must be at least 1, --stats-rounds at least 0")
     if args.share_gpu and args.backend != "cuda":
         p.error("--share-gpu runs the ranks on one GPU: it needs --backend cuda")
     args.config = args.config or DEFAULT_CONFIG[args.backend]
@@ -157,19 +164,25 @@ def main(argv: list[str] | None = None) -> int:
           f"copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")
     wanted = None if args.strategies == "all" else set(args.strategies.split(","))
-    results = []
-    for strategy, offload, inline in RUNS:
+    selected = [(st, off, inl) for st, off, inl in RUNS
+                if (wanted is None or run_label(st, off, inl) in wanted)
+                and not (inl is False and (args.world > 1 or st == "unsharded"))]  # else the default's run
+
+    def one(strategy: str, offload: bool, inline: bool | None, stats: bool) -> dict[str, Any]:
+        return lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps, args.steps,
+                                                           bw, not args.manager_only, args.share_gpu, inline, stats),
+                              backend=args.backend, share_gpu=args.share_gpu, timeout=args.timeout)[0]
+    results, stats_cost = [], []
+    for strategy, offload, inline in selected:
         label = run_label(strategy, offload, inline)
-        if wanted is not None and label not in wanted:
-            continue
-        if inline is False and (args.world > 1 or strategy == "unsharded"):
-            continue  # the same run as the default there
         try:
-            out = lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps,
-                                                              args.steps, bw, not args.manager_only, args.share_gpu,
-                                                              inline),
-                                 backend=args.backend, share_gpu=args.share_gpu, timeout=args.timeout)
-            results.append(out[0])
+            results.append(one(strategy, offload, inline, False))
+            if args.stats_rounds:  # off and on interleaved, so drift between rounds hits both alike
+                rounds = [(one(strategy, offload, inline, False)["micro_ms"],
+                           one(strategy, offload, inline, True)["micro_ms"]) for _ in range(args.stats_rounds)]
+                ratios = [on / off for off, on in rounds]
+                stats_cost.append({"label": label, "rounds": rounds, "ratio_median": statistics.median(ratios),
+                                   "ratio_min": min(ratios), "ratio_max": max(ratios)})
         except Exception as exc:  # noqa: BLE001 - report and continue with the next strategy
             print(f"{label}: FAILED {type(exc).__name__}: {exc}")
     print(f"{'strategy':<28}{'ms/micro':>10}{'floor ms':>10}{'ratio':>8}{'host ms':>9}{'GB/micro':>10}"
@@ -182,9 +195,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_ms_per_micro']:>9.3f}{r['bytes_per_micro'] / 1e9:>10.2f}{dev_mib:>12.0f}{pin_mib:>12.0f}")
     print("target: scatter_reduce at world 1 >= 0.90 of the floor; +comm_stream: inline=False (the accumulation "
           "beside the engine's copies instead of after them)")
+    if stats_cost:
+        print(f"{'stats=True cost':<28}{'off ms':>10}{'on ms':>10}{'on/off':>8}{'min':>8}{'max':>8}  "
+              f"({args.stats_rounds} rounds, median; target <= 1.01)")
+        for c in stats_cost:
+            off = statistics.median(r[0] for r in c["rounds"])
+            on = statistics.median(r[1] for r in c["rounds"])
+            print(f"{c['label']:<28}{off:>10.3f}{on:>10.3f}{c['ratio_median']:>8.4f}{c['ratio_min']:>8.4f}"
+                  f"{c['ratio_max']:>8.4f}")
     with open(args.json, "w") as f:
         json.dump({"config": args.config, "world": args.world, "share_gpu": args.share_gpu, "ceilings": bw,
-                   "results": results,
+                   "results": results, "stats_cost": stats_cost,
                    "date": time.strftime("%Y-%m-%d"), "device": getattr(dev, "name", "host")}, f, indent=1)
     print(f"wrote {args.json}")
     return 0

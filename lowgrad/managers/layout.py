@@ -24,8 +24,9 @@ from lowgrad.core.integers import integer
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter's gradient: a name, a shape (tuple of positive ints), ``zero_init`` (the
-    manager zeroes it and the engine always adds into it) and an optional dtype overriding the
-    manager's gradient dtype."""
+    manager zeroes it and the engine always adds into it) and an optional ``dtype``, the dtype
+    the engine's parameter has: a manager keeps one gradient dtype for every tensor, so it refuses
+    a layout whose ``dtype`` differs from its own (TypeError at creation) rather than convert."""
 
     name: str
     shape: tuple[int, ...]

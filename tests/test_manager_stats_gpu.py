@@ -1,0 +1,57 @@
+"""Gradient statistics of the managers on the GPU equal the host backend's, bit for bit (the
+kernels' summation order is fixed by the element index), on every strategy at world 1 and through
+the loopback at world 2, with the same non-finite report."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from test_manager_stats import M, nan_at
+from test_managers import STRATS, bf16_grad, drive, small_layout
+
+import lowgrad as lg
+from lowgrad.diagnostics.report import StepStats
+
+pytestmark = pytest.mark.gpu
+
+
+def stats_of(world: int, strategy: str, offload: bool, backend: str, gfun: Any = bf16_grad) -> list[StepStats]:
+    layout = small_layout(zero_init=True)
+
+    def job(comm: Any) -> StepStats:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, stats=True, seed=5)
+        for step in range(2):
+            drive(comm, layout, strategy, offload, M, gm=gm, first_step=step, gfun=gfun)
+        stats = gm.step_stats()
+        gm.close()
+        return stats
+    extra = {"share_gpu": True} if backend == "cuda" and world > 1 else {}
+    return lg.run_threads(world, job, backend=backend, **extra)
+
+
+def same(a: StepStats, b: StepStats) -> None:
+    for field in ("accumulated", "micro", "local"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x is None) == (y is None), field
+        if x is not None:
+            for part in ("sumsq", "nonfinite", "maxabs"):
+                assert np.array_equal(getattr(x, part), getattr(y, part), equal_nan=True), (field, part)
+
+
+@pytest.mark.parametrize("strategy,offload", STRATS)
+def test_cuda_stats_equal_host_at_world_1(strategy: str, offload: bool) -> None:
+    (dev,), (host,) = stats_of(1, strategy, offload, "cuda"), stats_of(1, strategy, offload, "host")
+    same(dev, host)
+    assert dev.first_nonfinite() is None
+
+
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+def test_cuda_stats_and_report_equal_host_at_world_2(strategy: str) -> None:
+    gfun = nan_at(1, 1, 2, 0)
+    dev, host = stats_of(2, strategy, False, "cuda", gfun), stats_of(2, strategy, False, "host", gfun)
+    for d, h in zip(dev, host):
+        same(d, h)
+        assert str(d.first_nonfinite()) == str(h.first_nonfinite())
+    rep = dev[0].first_nonfinite()
+    assert rep is not None and (rep.parameter, rep.rank, rep.source) == ("layers.2.w1", 1, "local")
