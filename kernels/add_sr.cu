@@ -10,13 +10,12 @@ struct NoWatch {
   __device__ __forceinline__ void see(const float (&)[8], const float (&)[8], u32) {}
 };
 
-// the gradient statistics of b (and of a, when with_a) of one thread's groups (grad_stats.cuh)
+// the gradient statistics of b (and of a, when a.base is set) of one warp's groups (grad_stats.cuh)
 struct StatsWatch {
-  StatsAcc b, a;
-  bool with_a;
+  StatsStream b, a;
   __device__ __forceinline__ void see(const float (&x)[8], const float (&y)[8], u32 count) {
-    b.add8(y, count);
-    if (with_a) a.add8(x, count);
+    b.acc.add8(y, count);
+    if (a.base) a.acc.add8(x, count);
   }
 };
 
@@ -125,11 +124,10 @@ SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 // kernel runs (sr.cuh).
 // The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
 // (lowgrad/cuda/kernels.py reads these constants here).
-// add_sr_multi_stats_* also writes the gradient statistics of each chunk of b (the gradient it
-// consumes) to stats_b[chunk], and at micro-step 1 of the counter those of a (the shard, which then
-// holds micro-step 0's gradient) to stats_a[chunk]: a chunk is a chunk of grad_stats.cu, and its
-// threads take its elements in the same order, so the partials are those grad_stats writes
-// (grad_stats_finish turns them into per-tensor values).
+// add_sr_multi_stats_* also writes each warp's statistics of each tensor's b (the gradient it
+// consumes) to its slot of stats_b, and at micro-step 1 of the counter those of a (the shard, which
+// then holds micro-step 0's gradient) to stats_a (grad_stats.cuh; grad_stats_finish turns the slots
+// into per-tensor values). Its threads take a chunk's elements as grad_stats' do.
 enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256, CHUNK_ELEMS = CHUNK_THREADS * ADD_UNROLL * GROUP_ELEMS };
 static_assert(CHUNK_THREADS == STATS_THREADS && ADD_UNROLL == STATS_UNROLL, "a chunk is a grad_stats chunk");
 
@@ -140,7 +138,7 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 880 bytes of kernel
   float scale;
   const SeedCounter* counter;  // null: seed[t] is the seed
   u32 layer;
-  StatsPartial* stats_b;  // add_sr_multi_stats_*: the statistics of b (and of a), per chunk
+  StatsPartial* stats_b;  // add_sr_multi_stats_*: the slots of b's statistics (and of a's)
   StatsPartial* stats_a;
 };
 
@@ -153,12 +151,19 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   __syncthreads();
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
-  const bool with_a = STATS && m.counter && m.counter->micro == 1;  // the same in every thread
+  typename Pick<STATS, StatsWatch, NoWatch>::type w{};
+  if constexpr (STATS) {
+    const bool with_a = m.counter && m.counter->micro == 1;  // the same in every thread
+    w.b.base = m.stats_b;
+    w.a.base = with_a ? m.stats_a : nullptr;
+  }
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
-    typename Pick<STATS, StatsWatch, NoWatch>::type w{};
-    if constexpr (STATS) w.with_a = with_a;
+    if constexpr (STATS) {
+      w.b.advance(t);
+      w.a.advance(t);
+    }
     const AddSr<D, A, B> f{(D*)m.dst[t], (const A*)m.a[t], (const B*)m.b[t], m.scale, rds[t], m.offset[t]};
     const u64 n = m.n[t], full = n / GROUP_ELEMS;
     const u64 g = (u64)(c - m.first[t]) * (U * CHUNK_THREADS) + threadIdx.x;
@@ -180,10 +185,10 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
         }
       }
     }
-    if constexpr (STATS) {
-      w.b.store(m.stats_b + c);
-      if (with_a) w.a.store(m.stats_a + c);
-    }
+  }
+  if constexpr (STATS) {
+    w.b.advance(m.count);
+    w.a.advance(m.count);
   }
 }
 

@@ -1,22 +1,19 @@
-// Per-tensor gradient statistics with a fixed reduction order: for each tensor the sum of squares
-// (of every value, so NaN or Inf once one is), the count of non-finite values and the largest
-// finite |x|. The order of every addition is fixed by the element index alone (not by the grid),
-// so the results are the same bits from run to run, and the host twin
-// (lowgrad/sr/grad_stats.py) reproduces them exactly.
+// Per-tensor gradient statistics (grad_stats.cuh): the sum of squares (of every value, so NaN or
+// Inf once one is), the count of non-finite values and the largest finite |x|.
 //
-// Stage 1 (grad_stats_f32 / grad_stats_bf16): a persistent grid strides over chunks of
-// STATS_CHUNK elements; tensor t owns chunks [first[t], first[t + 1]). Thread i of a chunk takes
-// the groups of 8 elements at 8 * i and 8 * (i + STATS_THREADS) and sums their squares in
-// float32 in element order; the chunk's threads are combined by a fixed tree
-// (StatsAcc::store, grad_stats.cuh) into partials[chunk]. The multi-tensor add_sr (add_sr.cu) computes the same partials for the
-// gradient it consumes, in the same order, while it accumulates.
-// Stage 2 (grad_stats_finish): block t sums the partials of tensor t in float64 (thread j takes
-// partials j, j + STATS_THREADS, ... in order, then a fixed tree) and writes three doubles
-// {sumsq, nonfinite, maxabs} at out + 3 * (row * row_stride + column[t]); row is row0, plus the
-// seed counter's micro-step with add_micro, so a replayed graph writes the row of the micro-step it
-// runs as; with when_micro other than STATS_EVERY_MICRO it writes only at that micro-step (the fused
-// add_sr's statistics of the shard it reads, which hold micro-step 0's gradient at micro-step 1).
+// grad_stats_f32 / grad_stats_bf16: a persistent grid strides over chunks of STATS_CHUNK
+// elements of up to STATS_MAX tensors; tensor t owns chunks [first[t], first[t + 1]); thread i of
+// a chunk takes the groups of 8 at 8 * (i + u * STATS_THREADS), u < STATS_UNROLL. Each warp's
+// statistics of each tensor go to its StatsPartial slot of the launch (grad_stats.cuh).
+// grad_stats_finish: block j turns job j of its table (one tensor's slots of one launch) into
+// three doubles {sumsq, nonfinite, maxabs} at out + 3 * (row * row_stride + column), summing the
+// slots in float64 (thread k takes slots k, k + STATS_THREADS, ... in order, then a fixed tree).
+// The row is the job's row0, plus the seed counter's micro-step with add_micro, so a replayed graph
+// writes the row of the micro-step it runs as; a job runs only at micro-steps [lo, hi] of the
+// counter, and a row >= rows is not written.
 #include "grad_stats.cuh"
+
+enum : u32 { STATS_MAX = 16 };
 
 struct GradStats {  // passed by value (__grid_constant__)
   u64 x[STATS_MAX], n[STATS_MAX];
@@ -27,13 +24,14 @@ struct GradStats {  // passed by value (__grid_constant__)
 
 template <typename T> __device__ __forceinline__ void grad_stats(const GradStats& m) {
   const u32 total = m.first[m.count];
+  StatsStream st{m.partials, 0u, StatsAcc{}};
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
+    st.advance(t);
     const T* x = (const T*)m.x[t];
     const u64 n = m.n[t], base = (u64)(c - m.first[t]) * STATS_CHUNK;
     const bool vec = aligned16(m.x[t]);
-    StatsAcc acc;
 #pragma unroll
     for (int u = 0; u < STATS_UNROLL; ++u) {
       const u64 e = base + GROUP_ELEMS * (threadIdx.x + u * STATS_THREADS);
@@ -42,11 +40,11 @@ template <typename T> __device__ __forceinline__ void grad_stats(const GradStats
         float v[8];
         if (vec && count == GROUP_ELEMS) load8<true>(x + e, count, v);
         else load8<false>(x + e, count, v);
-        acc.add8(v, count);
+        st.acc.add8(v, count);
       }
     }
-    acc.store(m.partials + c);
   }
+  st.advance(m.count);
 }
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_f32(const __grid_constant__ GradStats m) {
@@ -57,22 +55,22 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_bf16(cons
   grad_stats<bf16_t>(m);
 }
 
-struct StatsFinish {  // passed by value (__grid_constant__)
-  const StatsPartial* partials;
-  u32 first[STATS_MAX + 1];
-  u32 count;
-  u32 column[STATS_MAX];  // tensor t's column in the output rows
-  double* out;
-  u32 row0, rows, row_stride, add_micro, when_micro;  // a row >= rows is not written
-  const SeedCounter* counter;  // read for add_micro and when_micro
+struct StatsJob {  // one tensor's statistics from one launch (a table in device memory)
+  u64 partials;    // its first slot
+  u32 slots, column, row0, add_micro, lo, hi;
 };
 
-extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_finish(const __grid_constant__ StatsFinish f) {
-  const u32 t = blockIdx.x;
-  if (t >= f.count || (f.when_micro != STATS_EVERY_MICRO && f.counter->micro != f.when_micro)) return;
+extern "C" __global__ void __launch_bounds__(STATS_THREADS)
+grad_stats_finish(const StatsJob* __restrict__ jobs, u32 count, double* __restrict__ out, u32 rows, u32 row_stride,
+                  const SeedCounter* __restrict__ counter) {
+  if (blockIdx.x >= count) return;
+  const StatsJob job = jobs[blockIdx.x];
+  const u32 micro = counter ? counter->micro : 0u;
+  if (micro < job.lo || micro > job.hi) return;
+  const StatsPartial* p = (const StatsPartial*)job.partials;
   double s = 0.0, c = 0.0, mx = 0.0;
-  for (u32 p = f.first[t] + threadIdx.x; p < f.first[t + 1]; p += STATS_THREADS) {
-    const StatsPartial q = f.partials[p];
+  for (u32 k = threadIdx.x; k < job.slots; k += STATS_THREADS) {
+    const StatsPartial q = p[k];
     s = __dadd_rn(s, (double)q.sumsq);
     c = __dadd_rn(c, (double)q.nonfinite);
     mx = fmax(mx, (double)q.maxabs);
@@ -90,9 +88,9 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_finish(co
     }
     __syncthreads();
   }
-  const u32 row = f.row0 + (f.add_micro ? f.counter->micro : 0u);
-  if (threadIdx.x == 0 && row < f.rows) {
-    double* o = f.out + 3 * ((u64)row * f.row_stride + f.column[t]);
+  const u32 row = job.row0 + (job.add_micro ? micro : 0u);
+  if (threadIdx.x == 0 && row < rows) {
+    double* o = out + 3 * ((u64)row * row_stride + job.column);
     o[0] = sh[0][0];
     o[1] = sh[1][0];
     o[2] = sh[2][0];

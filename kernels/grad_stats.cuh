@@ -1,73 +1,73 @@
-// Gradient statistics of one chunk of STATS_CHUNK elements (grad_stats.cu; the multi-tensor
-// add_sr computes them in passing): the sum of squares in float32, the non-finite count and the
-// largest finite |x|, in an order fixed by the element index (see grad_stats.cu).
+// Gradient statistics (grad_stats.cu; the multi-tensor add_sr computes them in passing): for each
+// tensor the sum of squares, the count of non-finite values and the largest finite |x|.
+//
+// Each thread sums its elements' squares in float32 (fused multiply-add) in the order it visits
+// them; each warp keeps
+// its lanes' values for the tensor in hand and, when the block moves on to the next tensor of the
+// launch, combines them by a fixed tree (lanes i and i + h for h = 16 .. 1) into one StatsPartial
+// slot: slot (t * gridDim.x + block) * STATS_WARPS + warp of the launch's partials. No shared
+// memory, no barrier: the accumulation kernel keeps streaming. Every warp writes one slot for every
+// tensor of its launch (zeros for a tensor its block never reached), so tensor t's statistics are
+// the gridDim.x * STATS_WARPS consecutive slots from t * gridDim.x * STATS_WARPS, which
+// grad_stats_finish sums in a fixed order. The order of every addition is fixed by the launch
+// shape, which is the same from run to run on a GPU (the persistent grid is the resident one).
 #pragma once
 #include "sr.cuh"
 
-enum : u32 { STATS_MAX = 16, STATS_THREADS = 256, STATS_UNROLL = 2, STATS_WARPS = STATS_THREADS / 32,
-             STATS_CHUNK = STATS_THREADS * STATS_UNROLL * GROUP_ELEMS,
-             STATS_EVERY_MICRO = 0xffffffffu };  // grad_stats_finish's when_micro: write at every micro-step
+enum : u32 { STATS_THREADS = 256, STATS_UNROLL = 2, STATS_WARPS = STATS_THREADS / 32,
+             STATS_CHUNK = STATS_THREADS * STATS_UNROLL * GROUP_ELEMS };
 
-struct StatsPartial {  // one chunk's statistics (16 bytes)
+struct StatsPartial {  // one warp's statistics of one tensor (16 bytes)
   float sumsq;
   u32 nonfinite;
   float maxabs;
   u32 pad;
 };
 
-struct StatsAcc {  // one thread's statistics within a chunk
-  float s = 0.0f, m = 0.0f;
-  u32 c = 0;
+struct StatsAcc {  // one thread's statistics of the current tensor
+  float s = 0.0f, m = 0.0f, c = 0.0f;  // the count in float: exact to 2^24, far above a thread's share
 
-  // the first `count` of v, in order: s += v * v (rounded product, then rounded sum)
+  // the first `count` of v, in order. Only float operations: the SR kernels that call this keep
+  // the integer pipes busy with Philox, so integer work here would slow them down
   __device__ __forceinline__ void add8(const float (&v)[8], u32 count) {
 #pragma unroll
     for (u32 k = 0; k < 8; ++k) {
       if (k < count) {
-        s = __fadd_rn(s, __fmul_rn(v[k], v[k]));
+        s = fmaf(v[k], v[k], s);
         const float a = fabsf(v[k]);
-        if (a <= __int_as_float(0x7f7fffff)) m = fmaxf(m, a);  // finite (NaN compares false)
-        else ++c;
+        const bool finite = a <= __int_as_float(0x7f7fffff);  // NaN compares false
+        m = fmaxf(m, finite ? a : 0.0f);
+        c += finite ? 0.0f : 1.0f;
       }
     }
   }
+};
 
-  // the block's statistics into *out: a fixed tree within each warp (lanes i and i + h for
-  // h = 16, 8, 4, 2, 1), then the same over the warps' results; every thread must call it
-  __device__ __forceinline__ void store(StatsPartial* out) const {
-    float ws = s, wm = m;
-    u32 wc = c;
+// One warp's statistics over the tensors of a launch, in order: slots [0, done) are written, acc
+// holds tensor done's. Every lane calls advance() and finish() with the same arguments.
+struct StatsStream {
+  StatsPartial* base;  // the launch's partials; null: no statistics
+  u32 done;
+  StatsAcc acc;
+
+  __device__ __forceinline__ void write() {
+    float s = acc.s, m = acc.m;
+    u32 c = (u32)acc.c;
 #pragma unroll
     for (u32 h = 16; h > 0; h >>= 1) {
-      ws = __fadd_rn(ws, __shfl_down_sync(0xffffffffu, ws, h));
-      wc += __shfl_down_sync(0xffffffffu, wc, h);
-      wm = fmaxf(wm, __shfl_down_sync(0xffffffffu, wm, h));
+      s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, h));
+      c += __shfl_down_sync(0xffffffffu, c, h);
+      m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, h));
     }
-    __shared__ float sh_s[STATS_WARPS], sh_m[STATS_WARPS];
-    __shared__ u32 sh_c[STATS_WARPS];
-    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    __syncthreads();  // the previous chunk's reads of the shared values are done
-    if (lane == 0) {
-      sh_s[warp] = ws;
-      sh_c[warp] = wc;
-      sh_m[warp] = wm;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float bs[STATS_WARPS], bm[STATS_WARPS];
-      u32 bc[STATS_WARPS];
-#pragma unroll
-      for (u32 w = 0; w < STATS_WARPS; ++w) bs[w] = sh_s[w], bc[w] = sh_c[w], bm[w] = sh_m[w];
-#pragma unroll
-      for (u32 h = STATS_WARPS / 2; h > 0; h >>= 1) {
-#pragma unroll
-        for (u32 w = 0; w < h; ++w) {
-          bs[w] = __fadd_rn(bs[w], bs[w + h]);
-          bc[w] += bc[w + h];
-          bm[w] = fmaxf(bm[w], bm[w + h]);
-        }
-      }
-      *out = StatsPartial{bs[0], bc[0], bm[0], 0u};
-    }
+    if ((threadIdx.x & 31u) == 0)
+      base[((u64)done * gridDim.x + blockIdx.x) * STATS_WARPS + (threadIdx.x >> 5)] = StatsPartial{s, c, m, 0u};
+    acc = StatsAcc{};
+    ++done;
+  }
+
+  // the block now works on tensor t: the slots of the tensors before it are written
+  __device__ __forceinline__ void advance(u32 t) {
+    if (base)
+      while (done < t) write();
   }
 };

@@ -14,7 +14,7 @@ from lowgrad.core import capture
 from lowgrad.core.backend import check_copy
 from lowgrad.core.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.core.integers import integer
-from lowgrad.core.kernels import SeedSource
+from lowgrad.core.kernels import SeedSource, StatsSink
 from lowgrad.core.limits import U64
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
@@ -31,8 +31,9 @@ from lowgrad.sr.reference import check_reduce_sr_args
 from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_grad_stats",
-           "bind_reduce_sr", "check_accumulate", "check_scale", "check_seed", "check_seed_source", "copy",
-           "copy_on_cores", "fill_nan", "fill_zero", "norm_squared", "reduce_sr", "scale_sr"]
+           "bind_reduce_sr", "bind_stats_finish", "check_accumulate", "check_scale", "check_seed",
+           "check_seed_source", "copy", "copy_on_cores", "fill_nan", "fill_zero", "norm_squared", "reduce_sr",
+           "scale_sr", "stats_sink"]
 
 Bound = Callable[[int, int], None]  # f(seed, stream handle): a launch packed once but for the seed
 NORM_OUT_DTYPES = (fp32, fp64)
@@ -181,25 +182,27 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
 
 
 def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: Any, scale: float = 1.0,
-                      stats: tuple[Tensor, list[int]] | None = None) -> Callable[[int], None]:
+                      stats: tuple[StatsSink, list[int]] | None = None) -> Callable[[int], None]:
     """Many ``add_sr`` of one dtype triple (``dst`` of ``a``'s dtype) checked and packed once:
     ``items`` are ``(dst, a, b, index_offset)``, ``seeds`` one seed per item or ``(counter,
     layer, lanes)`` (see :func:`check_seed_source`). The returned ``f(stream)`` queues all of
     them on ``stream`` (an int handle) in as few launches as the backend can (one per 16
     tensors on CUDA). Results equal separate :func:`add_sr` calls with those seeds.
 
-    ``stats=(out, columns)`` (seeds from a counter): the same launches measure each item's ``b``
-    as :func:`bind_grad_stats` does, into row ``m`` of ``out`` (the counter's micro-step when the
-    work runs) at column ``columns[i]``, and at micro-step 1 its ``a`` before the add into row 0
-    (a shard that accumulates then holds micro-step 0's gradient)."""
+    ``stats=(sink, columns)`` (:func:`stats_sink`; seeds from the sink's counter): the same
+    launches measure each item's ``b`` as :func:`bind_grad_stats` does, for row ``m`` of the
+    sink's ``out`` (the counter's micro-step when the work runs, from micro-step 1) at column
+    ``columns[i]``, and at micro-step 1 its ``a`` before the add for row 0 (a shard that
+    accumulates then holds micro-step 0's gradient); the sink's finish writes the rows."""
     if not items:
         raise ValueError("bind_add_sr_multi needs at least one (dst, a, b, index_offset)")
     if stats is not None:
-        if not (isinstance(seeds, tuple) and seeds and isinstance(seeds[0], SeedCounter)):
-            raise ValueError("bind_add_sr_multi: stats= needs seeds from a SeedCounter (its micro-step picks the row)")
-        if not isinstance(stats, tuple) or len(stats) != 2:
-            raise TypeError(f"stats must be (out, columns), got {type(stats).__name__}")
-        _check_stats_out(stats[0], stats[1], len(items), items[0][0].device, "bind_add_sr_multi")
+        if not isinstance(stats, tuple) or len(stats) != 2 or not isinstance(stats[0], StatsSink):
+            raise TypeError(f"stats must be (sink, columns) with a sink of ops.stats_sink, got {stats!r}")
+        if not (isinstance(seeds, tuple) and seeds and seeds[0] is stats[0].counter is not None):
+            raise ValueError("bind_add_sr_multi: stats= needs seeds from the sink's SeedCounter (its micro-step "
+                             "picks the row)")
+        _check_columns(stats[0], stats[1], len(items), items[0][0].device, "bind_add_sr_multi")
     d0, a0, b0, _ = items[0]
     for dst, a, b, off in items:
         _check_add_sr(dst, a, b, scale, 0, off)
@@ -208,38 +211,56 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
                             f"on {dst.device!r}; every item needs ({d0.dtype.name}, {d0.dtype.name}, "
                             f"{b0.dtype.name}) on {d0.device!r}")
     seeds = check_seed_source(seeds, len(items), d0.device)
-    target = None if stats is None else (stats[0], [int(c) for c in stats[1]])
+    target = None if stats is None else (stats[0], [int(c) for c in stats[1]])  # checked above
     return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds, target)
 
 
-def _check_stats_out(out: Any, columns: Any, count: int, device: Any, what: str) -> None:
-    """``out`` a float64 ``(rows, columns, 3)`` tensor on ``device`` that kernels can write, and
-    ``count`` columns of it."""
+def stats_sink(out: Tensor, counter: SeedCounter | None = None) -> StatsSink:
+    """Where launches bound with statistics put them: ``out``, a float64 tensor of shape ``(rows,
+    columns, 3)`` in memory the kernels can write, whose (row, column) entries take a tensor's
+    ``(sum of squares, non-finite count, largest finite |x|)``; ``counter``, the
+    :class:`SeedCounter` whose micro-step picks the rows that follow it. Bind the launches
+    (:func:`bind_add_sr_multi` with ``stats=``, :func:`bind_grad_stats`), then
+    :func:`bind_stats_finish`, whose launch writes what they measured."""
     _tensor(out, "out")
     if out.dtype is not fp64 or out.ndim != 3 or out.shape[2] != 3:
-        raise TypeError(f"{what}: out {out.name!r} must be fp64 of shape (rows, columns, 3), got {out.dtype.name} "
-                        f"{out.shape}")
-    if out.device is not device:
-        raise ValueError(f"{what}: out {out.name!r} lives on {out.device!r}, the tensors on {device!r}")
-    _kernel_memory(device, (out, "out"))
+        raise TypeError(f"stats_sink: out {out.name!r} must be fp64 of shape (rows, columns, 3), got "
+                        f"{out.dtype.name} {out.shape}")
+    _kernel_memory(out.device, (out, "out"))
+    if counter is not None and (not isinstance(counter, SeedCounter) or counter.device is not out.device):
+        raise TypeError(f"stats_sink: counter must be a SeedCounter of {out.device!r}, got {counter!r}")
+    return StatsSink(out, counter)
+
+
+def _check_columns(sink: StatsSink, columns: Any, count: int, device: Any, what: str) -> list[int]:
+    """``count`` columns of the sink's ``out``, which lives on ``device``."""
+    if sink.out.device is not device:
+        raise ValueError(f"{what}: the sink's out {sink.out.name!r} lives on {sink.out.device!r}, the tensors on "
+                         f"{device!r}")
     if not isinstance(columns, (list, tuple)) or len(columns) != count:
         raise ValueError(f"{what}: need one column per tensor ({count}), got {columns!r}")
-    for c in columns:
-        if integer("a column", c) not in range(out.shape[1]):
-            raise ValueError(f"{what}: column {c} outside [0, {out.shape[1]})")
+    out = [integer("a column", c) for c in columns]
+    for c in out:
+        if c not in range(sink.out.shape[1]):
+            raise ValueError(f"{what}: column {c} outside [0, {sink.out.shape[1]})")
+    return out
 
 
-def bind_grad_stats(tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
-                    counter: SeedCounter | None = None) -> Callable[[int], None]:
+def bind_grad_stats(tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
+                    per_micro: bool = False) -> Callable[[int], None]:
     """The gradient statistics of ``tensors`` (fp32 or bf16, one dtype, one device) checked and
-    packed once: the returned ``f(stream)`` writes ``(sum of squares, non-finite count, largest
-    finite |x|)`` of ``tensors[i]`` to ``out[row, columns[i]]`` on ``stream`` (an int handle),
-    ``out`` a float64 ``(rows, columns, 3)`` tensor; with ``counter`` (a :class:`SeedCounter`)
-    the row is ``row`` plus its micro-step when the work runs (a row past the end is not
-    written). The values are :func:`lowgrad.sr.reference.grad_stats`' bit for bit, on either
-    backend: deterministic, from a summation order fixed by the element index."""
+    packed once: the returned ``f(stream)`` measures ``(sum of squares, non-finite count, largest
+    finite |x|)`` of ``tensors[i]`` on ``stream`` (an int handle) for row ``row`` (plus the
+    sink counter's micro-step when the work runs, with ``per_micro``; a row past the end is not
+    written), column ``columns[i]`` of the sink's ``out``; the sink's finish
+    (:func:`bind_stats_finish`) writes the rows. The values are
+    :func:`lowgrad.sr.reference.grad_stats`' (the device sums in an order fixed by its launch
+    shape: the same bits from run to run, the sum of squares within a relative 1e-5 of the
+    reference's, the count and the largest |x| exact)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("bind_grad_stats needs a non-empty list of tensors")
+    if not isinstance(sink, StatsSink):
+        raise TypeError(f"bind_grad_stats: sink must come from ops.stats_sink, got {type(sink).__name__}")
     t0 = _tensor(tensors[0], "tensors[0]")
     for i, t in enumerate(tensors):
         _tensor(t, f"tensors[{i}]")
@@ -248,12 +269,22 @@ def bind_grad_stats(tensors: list[Tensor], out: Tensor, columns: list[int], row:
             raise TypeError(f"bind_grad_stats: {t.name!r} is {t.dtype.name} on {t.device!r}; every tensor needs "
                             f"{t0.dtype.name} on {t0.device!r}")
         _kernel_memory(t.device, (t, f"tensors[{i}]"))
-    _check_stats_out(out, columns, len(tensors), t0.device, "bind_grad_stats")
-    if integer("row", row) not in range(out.shape[0]):
-        raise ValueError(f"bind_grad_stats: row {row} outside [0, {out.shape[0]})")
-    if counter is not None and (not isinstance(counter, SeedCounter) or counter.device is not t0.device):
-        raise TypeError(f"bind_grad_stats: counter must be a SeedCounter of {t0.device!r}, got {counter!r}")
-    return t0.device.kernels.bind_grad_stats(list(tensors), out, [int(c) for c in columns], int(row), counter)
+    cols = _check_columns(sink, columns, len(tensors), t0.device, "bind_grad_stats")
+    if integer("row", row) not in range(sink.out.shape[0]):
+        raise ValueError(f"bind_grad_stats: row {row} outside [0, {sink.out.shape[0]})")
+    if not isinstance(per_micro, bool):
+        raise TypeError(f"bind_grad_stats: per_micro must be a bool, got {per_micro!r}")
+    if per_micro and sink.counter is None:
+        raise ValueError("bind_grad_stats: per_micro=True needs a sink with a seed counter")
+    return t0.device.kernels.bind_grad_stats(list(tensors), sink, cols, int(row), per_micro)
+
+
+def bind_stats_finish(sink: StatsSink) -> Callable[[int], None]:
+    """The launch that writes the rows of every launch bound into ``sink`` so far: the returned
+    ``f(stream)`` queues it on ``stream`` (an int handle), after those launches on their stream."""
+    if not isinstance(sink, StatsSink):
+        raise TypeError(f"bind_stats_finish: sink must come from ops.stats_sink, got {type(sink).__name__}")
+    return sink.out.device.kernels.bind_stats_finish(sink)
 
 
 def _check_reduce_sr(dst: Tensor, src: Tensor, n_shards: Any, skip: Any, scale: Any, accumulate: Any, seed: Any,

@@ -1,6 +1,7 @@
-"""Gradient statistics of the managers on the GPU equal the host backend's, bit for bit (the
-kernels' summation order is fixed by the element index), on every strategy at world 1 and through
-the loopback at world 2, with the same non-finite report."""
+"""Gradient statistics of the managers on the GPU equal the host backend's (the counts, the
+largest |x| and which entries are measured exactly; sums of squares within a relative 1e-5: the
+device sums in float32 per thread), on every strategy at world 1 and through the loopback at world
+2, with the same non-finite report; the device's bits are the same from run to run."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,13 +31,18 @@ def stats_of(world: int, strategy: str, offload: bool, backend: str, gfun: Any =
     return lg.run_threads(world, job, backend=backend, **extra)
 
 
-def same(a: StepStats, b: StepStats) -> None:
+def same(a: StepStats, b: StepStats, exact: bool = False) -> None:
     for field in ("accumulated", "micro", "local"):
         x, y = getattr(a, field), getattr(b, field)
         assert (x is None) == (y is None), field
         if x is not None:
-            for part in ("sumsq", "nonfinite", "maxabs"):
-                assert np.array_equal(getattr(x, part), getattr(y, part), equal_nan=True), (field, part)
+            assert np.array_equal(x.nonfinite, y.nonfinite) and np.array_equal(x.maxabs, y.maxabs, equal_nan=True)
+            assert np.array_equal(np.isnan(x.sumsq), np.isnan(y.sumsq)), field
+            if exact:
+                assert np.array_equal(x.sumsq, y.sumsq, equal_nan=True), field
+            else:
+                ok = ~np.isnan(x.sumsq)
+                assert np.allclose(x.sumsq[ok], y.sumsq[ok], rtol=1e-5, atol=0), field
 
 
 @pytest.mark.parametrize("strategy,offload", STRATS)
@@ -44,6 +50,8 @@ def test_cuda_stats_equal_host_at_world_1(strategy: str, offload: bool) -> None:
     (dev,), (host,) = stats_of(1, strategy, offload, "cuda"), stats_of(1, strategy, offload, "host")
     same(dev, host)
     assert dev.first_nonfinite() is None
+    (again,) = stats_of(1, strategy, offload, "cuda")
+    same(dev, again, exact=True)
 
 
 @pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])

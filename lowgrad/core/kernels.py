@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, overload
 
 from lowgrad.core.tensor import Tensor
@@ -26,11 +27,25 @@ P = ParamSpec("P")
 #: :class:`lowgrad.sr.seedcounter.SeedCounter` whose per-use seeds are read when the work runs
 SeedSource = tuple[Any, int, list[int]]
 
-#: where bound launches write gradient statistics (``lowgrad.ops`` checks it): a float64 tensor of
-#: shape ``(rows, columns, 3)`` and the column of each tensor; each (row, column) takes
-#: ``(sum of squares, non-finite count, largest finite |x|)``, the bits of
-#: :func:`lowgrad.sr.reference.grad_stats`
-StatsTarget = tuple[Tensor, list[int]]
+
+
+@dataclass
+class StatsSink:
+    """Where bound launches put gradient statistics: ``out``, a float64 tensor of shape ``(rows,
+    columns, 3)`` whose (row, column) entries take ``(sum of squares, non-finite count, largest
+    finite |x|)`` of a tensor (:func:`lowgrad.sr.reference.grad_stats`); ``counter``, the seed
+    counter whose micro-step picks the rows that follow it (None: there are none); ``jobs``, what
+    the bound launches registered (the backend's own records), which the launch
+    :meth:`Kernels.bind_stats_finish` makes writes into ``out``. ``lowgrad.ops.stats_sink`` makes
+    one, checked."""
+
+    out: Tensor
+    counter: Any
+    jobs: list[Any] = field(default_factory=list)
+
+
+#: the statistics of a bound multi-tensor launch: the sink and the column of each item
+StatsTarget = tuple[StatsSink, list[int]]
 
 
 class Elementwise(Generic[P]):
@@ -133,18 +148,24 @@ class Kernels(ABC):
         ``dst`` of ``a``'s dtype) fixed now: the returned ``f(stream)`` queues all of them. ``seeds``
         is ``(None, 0, one seed per item)`` or ``(counter, layer, one lane per item)``, whose
         per-use roundings are read when the work runs. Results equal separate :meth:`add_sr` calls;
-        ``f`` raises ClosedError as :meth:`bind_add_sr`'s does. With ``stats`` (seeds from a
-        counter) the same work also writes the statistics of item ``i``'s ``b`` to row ``m`` (the
-        counter's micro-step when it runs), column ``stats[1][i]``, and at micro-step 1 those of
-        its ``a`` before the add to row 0 (where a shard then holds micro-step 0's gradient)."""
+        ``f`` raises ClosedError as :meth:`bind_add_sr`'s does. With ``stats`` (seeds from the
+        sink's counter) the same work also measures item ``i``'s ``b`` for row ``m`` (the counter's
+        micro-step when it runs; from micro-step 1), column ``stats[1][i]``, and at micro-step 1
+        its ``a`` before the add for row 0 (where a shard then holds micro-step 0's gradient); the
+        rows are written by the sink's finish (:meth:`bind_stats_finish`)."""
 
     @abstractmethod
-    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
-                        counter: Any) -> Callable[[int], None]:
+    def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
+                        per_micro: bool) -> Callable[[int], None]:
         """The statistics of every tensor (fp32 or bf16, one dtype) fixed now: the returned
-        ``f(stream)`` writes those of ``tensors[i]`` to row ``row`` (plus the micro-step of the
-        seed counter ``counter`` when it runs, when one is given), column ``columns[i]`` of ``out``
-        (a :data:`StatsTarget` tensor); ClosedError as :meth:`bind_add_sr`'s."""
+        ``f(stream)`` measures ``tensors[i]`` for row ``row`` (plus the sink counter's micro-step
+        when it runs, with ``per_micro``), column ``columns[i]`` of the sink's ``out``, written by
+        the sink's finish; ClosedError as :meth:`bind_add_sr`'s."""
+
+    @abstractmethod
+    def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
+        """The returned ``f(stream)`` writes the rows of every launch bound into ``sink`` so far,
+        from what those launches measured last (queue it after them on their stream)."""
 
     @abstractmethod
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,

@@ -14,18 +14,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from lowgrad.core import capture, trace
 from lowgrad.core.dtypes import DType, byte
 from lowgrad.core.errors import ClosedError
 from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for, struct_fields
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsTarget
-from lowgrad.core.tensor import Tensor
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
+from lowgrad.core.limits import U32
+from lowgrad.core.tensor import Tensor, from_numpy
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.compiler import compile_kernels
 from lowgrad.sr.checks import SR_DTYPES
 
 GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
 NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
+EVERY_MICRO = U32 - 1  # a statistics job's last micro-step when it runs at every one
 
 _FMT = {ctypes.c_uint64: "Q", ctypes.c_int64: "q", ctypes.c_uint32: "I", ctypes.c_int32: "i",
         ctypes.c_float: "f", ctypes.c_double: "d"}
@@ -85,6 +89,13 @@ class Kernel:
             trace.log("kernel", self.name, grid=grid, block=self.block, stream=hex(stream), packed=True)
 
 
+def _struct_dtype(name: str) -> np.dtype:
+    """``struct <name>`` of kernels/grad_stats.cu(h) as a numpy record (C's natural alignment)."""
+    fields = struct_fields("grad_stats", name)
+    return np.dtype({"names": [f.name for f in fields], "formats": [np.dtype(f.ctype) for f in fields],
+                     "aligned": True})
+
+
 def _counter_args(counter: Any) -> tuple[int, tuple[Any, ...]]:
     """The counter's device address (0: fixed seeds) and the allocation a bound launch must check."""
     return (counter.tensor.ptr, (counter.tensor.allocation,)) if counter is not None else (0, ())
@@ -122,8 +133,9 @@ class CudaKernels(Kernels):
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
         s = constants("grad_stats")  # the statistics' chunks are add_sr_multi's (a static_assert in add_sr.cu)
         assert (s["STATS_MAX"], s["STATS_CHUNK"]) == (self.multi_max, self.multi_chunk)
-        self.every_micro = s["STATS_EVERY_MICRO"]
-        self.partial_bytes = sum(ctypes.sizeof(f.ctype) for f in struct_fields("grad_stats", "StatsPartial"))
+        self.stats_warps = s["STATS_WARPS"]
+        self.slot_bytes = _struct_dtype("StatsPartial").itemsize
+        self.job_dtype = _struct_dtype("StatsJob")
         self._fill, self._copy, self._philox, self._seed_counter = (
             kernel(name) for name in ("fill_u8", "copy_u8", "philox_kat", "seed_counter"))
         super().__init__()
@@ -217,10 +229,9 @@ class CudaKernels(Kernels):
         of ``a``'s dtype) in launches of up to ``MULTI_MAX`` tensors, everything packed here, once.
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
         read on the device when the kernel runs). With ``stats``, ``add_sr_multi_stats_*`` writes
-        each chunk's statistics of b (and at micro-step 1 of a) to partials made here, and two
-        ``grad_stats_finish`` launches after each add turn them into the rows. The grid is the
-        resident one; ``blocks`` overrides it (CUDA only, for tuning: launch shape is no part of
-        the kernel contract)."""
+        each warp's statistics of b (and at micro-step 1 of a) to slots made here, registered in
+        the sink as jobs for its finish. The grid is the resident one; ``blocks`` overrides it
+        (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
         stem = "add_sr_multi" if stats is None else "add_sr_multi_stats"
         spec = kernel_for(stem, items[0][0].dtype, items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
@@ -229,31 +240,29 @@ class CudaKernels(Kernels):
         grid_max = blocks or self.resident_blocks(func, spec.block)
         mm = self.multi_max
         launches: list[tuple[Kernel, int]] = []
-        owned: list[Tensor] = []  # the partials, held as long as the bound launch
+        owned: list[Tensor] = []  # the statistics' slots, held as long as the bound launch
         for c in range(0, len(items), mm):
             part = items[c:c + mm]
             first = self._chunks([d for d, _, _, _ in part], mm)
-            partials = [0, 0]
-            finish = []
+            grid = min(first[-1], grid_max)
+            slots = [0, 0]
             if stats is not None:
-                columns = stats[1][c:c + len(part)]
-                # b's row is the micro-step's; a's is row 0, written at micro-step 1 only
-                for i, (row_of_micro, when) in enumerate(((True, self.every_micro), (False, 1))):
-                    t = self._partials(first[len(part)])
+                sink, columns = stats[0], stats[1][c:c + len(part)]
+                # b's rows are the micro-steps' from 1 on; a's is row 0, at micro-step 1 only
+                for i, (add_micro, hi) in enumerate(((True, EVERY_MICRO), (False, 1))):
+                    t = self._stats_jobs(sink, len(part), grid, columns, 0, add_micro, 1, hi)
                     owned.append(t)
-                    partials[i] = t.ptr
-                    finish.append(self._finish(t, first, columns, stats[0], 0, row_of_micro, when, counter_ptr))
+                    slots[i] = t.ptr
             k = Kernel(spec, func)
             k.pack(*spec.flatten({
                 "dst": [d.ptr for d, _, _, _ in part], "a": [a.ptr for _, a, _, _ in part],
                 "b": [b.ptr for _, _, b, _ in part], "seed": cols_seed[c:c + len(part)],
                 "offset": [off for *_, off in part], "n": [d.numel for d, *_ in part],
                 "first": first, "count": len(part), "scale": scale, "counter": counter_ptr, "layer": layer,
-                "stats_b": partials[0], "stats_a": partials[1]}))
-            if first[-1]:
-                launches.append((k, min(first[-1], grid_max)))
-            launches += [(f, len(part)) for f in finish]
-        held = [t for item in items for t in item[:3]] + owned + ([stats[0]] if stats else [])
+                "stats_b": slots[0], "stats_a": slots[1]}))
+            if grid:
+                launches.append((k, grid))
+        held = [t for item in items for t in item[:3]] + owned
         allocs = tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc
         name = items[0][0].name
 
@@ -271,50 +280,66 @@ class CudaKernels(Kernels):
             first.append(first[-1] + -(-t.numel // self.multi_chunk))
         return first + [first[-1]] * (size - len(tensors))
 
-    def _partials(self, chunks: int) -> Tensor:
-        """Statistics of ``chunks`` chunks (``struct StatsPartial`` each), owned by a bound launch."""
-        return self.device.alloc(max(chunks, 1) * self.partial_bytes, byte, name="grad_stats_partials")
+    def _stats_jobs(self, sink: StatsSink, count: int, grid: int, columns: list[int], row0: int,
+                    add_micro: bool, lo: int, hi: int) -> Tensor:
+        """The statistics slots of a launch of ``count`` tensors on ``grid`` blocks (every warp one
+        slot per tensor, kernels/grad_stats.cuh), and one job per tensor in the sink."""
+        per = grid * self.stats_warps
+        slots = self.device.alloc(max(count * per, 1) * self.slot_bytes, byte, name="grad_stats_slots")
+        for t, column in enumerate(columns):
+            sink.jobs.append(((slots.ptr + t * per * self.slot_bytes if per else 0, per, column, row0,
+                               int(add_micro), lo, hi), slots))
+        return slots
 
-    def _finish(self, partials: Tensor, first: list[int], columns: list[int], out: Tensor, row0: int,
-                add_micro: bool, when_micro: int, counter_ptr: int) -> Kernel:
-        """``grad_stats_finish`` of these partials, packed once (grid: one block per tensor)."""
-        spec = kernel("grad_stats_finish")
-        k = Kernel(spec, self.kernel(spec).func)
-        k.pack(*spec.flatten({"partials": partials.ptr, "first": first, "count": len(columns), "column": columns,
-                              "out": out.ptr, "row0": row0, "rows": out.shape[0], "row_stride": out.shape[1],
-                              "add_micro": int(add_micro), "when_micro": when_micro, "counter": counter_ptr}))
-        return k
-
-    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
-                        counter: Any) -> Callable[[int], None]:
+    def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
+                        per_micro: bool) -> Callable[[int], None]:
         """``f(stream)``: ``grad_stats_<dtype>`` over up to ``STATS_MAX`` tensors a launch (a
-        persistent grid over their chunks), then ``grad_stats_finish``; everything packed here."""
+        persistent grid over their chunks), each warp's statistics into slots registered in the
+        sink; everything packed here."""
         spec = kernel_for("grad_stats", tensors[0].dtype)
         func = self.kernel(spec).func
         grid_max = self.resident_blocks(func, spec.block)
-        counter_ptr, counter_alloc = _counter_args(counter)
         mm = self.multi_max
         launches: list[tuple[Kernel, int]] = []
         owned: list[Tensor] = []
         for c in range(0, len(tensors), mm):
             part = tensors[c:c + mm]
             first = self._chunks(part, mm)
-            partials = self._partials(first[-1])
-            owned.append(partials)
+            grid = min(first[-1], grid_max)
+            slots = self._stats_jobs(sink, len(part), grid, columns[c:c + mm], row, per_micro, 0, EVERY_MICRO)
+            owned.append(slots)
             k = Kernel(spec, func)
             k.pack(*spec.flatten({"x": [t.ptr for t in part], "n": [t.numel for t in part], "first": first,
-                                  "count": len(part), "partials": partials.ptr}))
-            if first[-1]:
-                launches.append((k, min(first[-1], grid_max)))
-            launches.append((self._finish(partials, first, columns[c:c + mm], out, row, counter is not None,
-                                          self.every_micro, counter_ptr), len(part)))
-        allocs = tuple(dict.fromkeys([t.allocation for t in (*tensors, *owned, out)])) + counter_alloc
+                                  "count": len(part), "partials": slots.ptr}))
+            if grid:
+                launches.append((k, grid))
+        allocs = tuple(dict.fromkeys(t.allocation for t in (*tensors, *owned)))
         name = tensors[0].name
 
         def run(stream: int) -> None:
             _check_open(allocs, name)
             for k, grid in launches:
                 k.launch_packed(grid, stream)
+        return run
+
+    def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
+        """``f(stream)``: ``grad_stats_finish`` over the sink's jobs (their table copied to the
+        device here), one block per job."""
+        records = [record for record, _ in sink.jobs]
+        if not records:
+            return lambda stream: None
+        table = from_numpy(np.array(records, self.job_dtype).view(np.uint8), self.device, name="grad_stats_jobs")
+        spec = kernel("grad_stats_finish")
+        k = Kernel(spec, self.kernel(spec).func)
+        out, (counter_ptr, counter_alloc) = sink.out, _counter_args(sink.counter)
+        k.pack(table.ptr, len(records), out.ptr, out.shape[0], out.shape[1], counter_ptr)
+        held = [table, out, *(slots for _, slots in sink.jobs)]
+        allocs = tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc
+        count = len(records)
+
+        def run(stream: int) -> None:
+            _check_open(allocs, out.name)
+            k.launch_packed(count, stream)
         return run
 
     def resident_blocks(self, func: int, block: int) -> int:

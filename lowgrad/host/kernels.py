@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from lowgrad.core import trace
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsTarget
+from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
 from lowgrad.core.tensor import Tensor
 from lowgrad.sr import reference
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, Rounding, apply_op
@@ -89,22 +89,27 @@ class HostKernels(Kernels):
         counter = seeds[0]
 
         def run(stream: int) -> None:
-            if stats is not None:  # read before the adds: a may be dst
-                micro = _micro(counter)
-                _write_stats(stats[0], micro, stats[1], [b for _, _, b, _ in items])
+            if stats is not None:  # measured before the adds (a may be dst), as the device does
+                micro, (sink, columns) = _micro(counter), stats
+                if micro >= 1:
+                    _write_stats(sink.out, micro, columns, [b for _, _, b, _ in items])
                 if micro == 1:
-                    _write_stats(stats[0], 0, stats[1], [a for _, a, _, _ in items])
+                    _write_stats(sink.out, 0, columns, [a for _, a, _, _ in items])
             for (dst, a, b, off), rd in zip(items, _roundings(seeds)):
                 twin.apply({"dst": dst, "a": a, "b": b, "scale": scale, "index_offset": off}, rd, stream)
         return run
 
-    def bind_grad_stats(self, tensors: list[Tensor], out: Tensor, columns: list[int], row: int,
-                        counter: Any) -> Callable[[int], None]:
+    def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
+                        per_micro: bool) -> Callable[[int], None]:
+        """The rows are written when the launch runs (the host has no partial results to finish)."""
         def run(stream: int) -> None:
             if trace.ENABLED:
-                _trace("grad_stats", out, stream)
-            _write_stats(out, row + (0 if counter is None else _micro(counter)), columns, tensors)
+                _trace("grad_stats", sink.out, stream)
+            _write_stats(sink.out, row + (_micro(sink.counter) if per_micro else 0), columns, tensors)
         return run
+
+    def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
+        return lambda stream: None  # the host's launches wrote their rows already
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int, seeds: SeedSource) -> Callable[[int], None]:

@@ -46,6 +46,7 @@ from lowgrad.core import capture
 from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32, fp64
 from lowgrad.core.errors import ClosedError, ProtocolError
 from lowgrad.core.integers import integer
+from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
@@ -121,7 +122,9 @@ class GradientManager(ABC):
         self._stats: Tensor | None = None
         self._gathered: Tensor | None = None
         self._rows: StatsRows | None = None
-        self._step_pass: Callable[[int], None] | None = None
+        self._sink: StatsSink | None = None  # where the micro-steps' launches put theirs
+        self._finish: Callable[[int], None] | None = None  # writes their rows
+        self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
         self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
         self._alloc_non_block()
         self._alloc_blocks()
@@ -263,6 +266,9 @@ class GradientManager(ABC):
         if last:
             with nvtx_range("lowgrad.non_block reduce-scatter"):
                 self._finish_non_block(stream)
+        if self._finish is not None and (last or self._stats_every_micro):  # after the launches it reads
+            self._finish(stream_handle(stream) if self._inline else self._comm_handle)
+        if last:
             self._counter.next_step(self._comm_handle)
         self._record(self._comm_done, self.comm_stream)
         self._wait(self._comm_done, stream)
@@ -468,8 +474,17 @@ class GradientManager(ABC):
         self._stats, self._gathered, self._rows = out, gathered, rows
         shards = self.shards()  # block shards layer by layer, then the non-block ones
         columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
-        self._step_pass = ops.bind_grad_stats(shards, out, columns, rows.step_row) if shards else None
-        self._bind()
+        step_sink = ops.stats_sink(out)
+        measure = ops.bind_grad_stats(shards, step_sink, columns, rows.step_row)
+        write = ops.bind_stats_finish(step_sink)
+
+        def step_pass(h: int) -> None:
+            measure(h)
+            write(h)
+        self._step_pass = step_pass
+        self._sink = ops.stats_sink(out, self._counter)
+        self._bind()  # the strategy's launches register in the sink (_stats_target)
+        self._finish = ops.bind_stats_finish(self._sink)
 
     def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
         """Check and pack the strategy's per-layer launches once (again when the statistics are
@@ -480,9 +495,12 @@ class GradientManager(ABC):
         ``local``); at world 1 the local rows are never measured."""
         return False, None
 
-    def _stats_target(self) -> tuple[Tensor, StatsRows] | None:
-        """Where the bound launches write statistics (None: they write none)."""
-        return None if self._stats is None or self._rows is None else (self._stats, self._rows)
+    def _stats_target(self) -> tuple[StatsSink, StatsRows] | None:
+        """Where the bound launches put statistics (None: they measure none)."""
+        return None if self._sink is None or self._rows is None else (self._sink, self._rows)
+
+    #: the micro-steps whose statistics the strategy's launches measure: every one, or the last
+    _stats_every_micro = True
 
     def stats(self, stream: StreamLike = None) -> Tensor:
         """The completed step's gradient statistics (``stats=True``): a float64 device tensor of

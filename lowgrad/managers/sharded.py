@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowgrad import ops
+from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.managers.manager import GradientManager
@@ -62,7 +63,7 @@ class ShardedManager(GradientManager):
         micro = target is not None and target[1].micro
         local = target is not None and target[1].local == "micro"
 
-        def stats(l: int) -> tuple[Any, list[int]] | None:
+        def stats(l: int) -> tuple[StatsSink, list[int]] | None:
             return (target[0], target[1].layer_columns(l)) if micro and target is not None else None
         self._acc = [ops.bind_add_sr_multi([(sh, sh, own, off) for sh, own, off in
                                             zip(self._shards[l], self._own[l % 2], offsets)], (self._counter, l, lanes),
@@ -70,7 +71,7 @@ class ShardedManager(GradientManager):
                      for l in range(self.layout.num_layers)] if self.layout.block else []
         # each rank's own gradient, measured before the exchange changes it (world > 1)
         self._local = [ops.bind_grad_stats(self._buffers[l % 2], target[0], target[1].layer_columns(l),
-                                           target[1].local_row, counter=self._counter)
+                                           target[1].local_row, per_micro=True)
                        for l in range(self.layout.num_layers)] if local and target is not None else []
 
     def _stats_kinds(self) -> tuple[bool, str | None]:

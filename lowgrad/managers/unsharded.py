@@ -30,15 +30,17 @@ class UnshardedManager(GradientManager):
         target = self._stats_target()
         if target is None or target[1].local != "step":
             return
-        out, rows = target
+        sink, rows = target
         # each rank's gradient accumulated over the step, measured before the reduce-scatter
-        self._local = [ops.bind_grad_stats(self._tensors[l], out, rows.layer_columns(l), rows.local_row)
+        self._local = [ops.bind_grad_stats(self._tensors[l], sink, rows.layer_columns(l), rows.local_row)
                        for l in range(self.layout.num_layers)] if self.layout.block else []
         if self._nb_list:
-            self._nb_local = ops.bind_grad_stats(self._nb_list, out, rows.non_block_columns(), rows.local_row)
+            self._nb_local = ops.bind_grad_stats(self._nb_list, sink, rows.non_block_columns(), rows.local_row)
 
     def _stats_kinds(self) -> tuple[bool, str | None]:
         return False, "step"
+
+    _stats_every_micro = False  # the local passes run at the last micro-step only
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).

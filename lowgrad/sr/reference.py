@@ -3,10 +3,6 @@
 its kernels (an elementwise kernel's host twin is the function of its name here, see
 :class:`lowgrad.core.kernels.Elementwise`).
 
-``grad_stats`` (kernels/grad_stats.cu, and the multi-tensor add_sr with statistics) is defined
-by :func:`grad_stats_partials` and :func:`grad_stats_finish`: the order of every addition is fixed
-by the element index, and these functions follow it.
-
 Float32 operation order, which the kernels follow exactly: ``add_sr`` computes
 ``(float(a) + float(b)) * scale``; ``scale_sr`` ``float(a) * scale``; ``reduce_sr`` starts from
 ``float(dst)`` (accumulate) or ``+0.0``, adds ``float(src[k])`` for ``k = 0 .. n_shards - 1``
@@ -15,14 +11,11 @@ rules of :mod:`lowgrad.sr.checks`, which :mod:`lowgrad.ops` applies too.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from lowgrad.core.dtypes import bf16, fp32
-from lowgrad.core.kernel_source import constants, struct_fields
 from lowgrad.core.limits import U32
 from lowgrad.sr.checks import (
     check_accumulate,
@@ -147,75 +140,15 @@ def norm_squared(x: np.ndarray, accum: str = "float32") -> np.floating:
 
 
 # ---- gradient statistics (kernels/grad_stats.cu) ------------------------------------------------
-@functools.cache
-def stats_layout() -> tuple[dict[str, int], np.dtype]:
-    """The constants of kernels/grad_stats.cuh (``STATS_*``) and ``struct StatsPartial`` (one
-    chunk's statistics) as a numpy dtype, read from the source."""
-    return constants("grad_stats"), np.dtype([(f.name, np.dtype(f.ctype)) for f in struct_fields("grad_stats",
-                                                                                                "StatsPartial")])
-
-
-def _tree(v: np.ndarray, op: Callable[[Any, Any], Any]) -> np.ndarray:
-    """The fixed tree over the last axis (a power of two): ``v[i] op v[i + h]`` for h = n/2 .. 1."""
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = op(v[..., :h], v[..., h:])
-    return v[..., 0]
-
-
-def grad_stats_partials(x: np.ndarray) -> np.ndarray:
-    """The statistics of each chunk of ``x`` (fp32 or bf16) that stage 1 of kernels/grad_stats.cu
-    and the multi-tensor add_sr write, bit for bit: one ``StatsPartial`` (:func:`stats_layout`)
-    per chunk of ``STATS_CHUNK`` elements. Thread i of a chunk takes the groups of 8 at
-    ``8 * (i + u * STATS_THREADS)`` for u = 0, 1 and sums their squares in float32 in element
-    order (rounded product, rounded sum); a fixed tree within each warp of 32, then over the warps,
-    makes the chunk's values."""
-    x = _array(x, "x")
-    c, partial = stats_layout()
-    threads, unroll, chunk = c["STATS_THREADS"], c["STATS_UNROLL"], c["STATS_CHUNK"]
-    chunks = -(-x.size // chunk)
-    v = np.zeros(chunks * chunk, np.float32)
-    v[:x.size] = x.astype(np.float32).reshape(-1)
-    g = v.reshape(chunks, unroll, threads, 8)  # element c * CHUNK + 8 * (i + u * THREADS) + k at [c, u, i, k]
-    s = np.zeros((chunks, threads), np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for u in range(unroll):
-            for k in range(8):
-                s = s + g[:, u, :, k] * g[:, u, :, k]
-        a = np.abs(g)
-    finite = a <= np.float32(np.finfo(np.float32).max)
-    count = (~finite).sum(axis=(1, 3), dtype=np.uint32)
-    top = np.where(finite, a, np.float32(0)).max(axis=(1, 3), initial=np.float32(0))
-    warps = (chunks, threads // 32, 32)
-    out = np.zeros(chunks, partial)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out["sumsq"] = _tree(_tree(s.reshape(warps), np.add), np.add)
-    out["nonfinite"] = _tree(_tree(count.reshape(warps), np.add), np.add)
-    out["maxabs"] = _tree(_tree(top.reshape(warps), np.maximum), np.maximum)
-    return out
-
-
-def grad_stats_finish(partials: np.ndarray) -> tuple[float, float, float]:
-    """``(sum of squares, non-finite count, largest finite |x|)`` in float64 from one tensor's
-    chunk statistics, in stage 2's order (kernels/grad_stats.cu): thread j takes partials j,
-    j + STATS_THREADS, ... in order, then a fixed tree over the threads."""
-    threads = stats_layout()[0]["STATS_THREADS"]
-    rows = -(-partials.size // threads)
-    out = []
-    for field, op in (("sumsq", np.add), ("nonfinite", np.add), ("maxabs", np.maximum)):
-        p = np.zeros(rows * threads, np.float64)
-        p[:partials.size] = partials[field]
-        acc = np.zeros(threads, np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            for r in p.reshape(rows, threads):
-                acc = op(acc, r)
-            out.append(float(_tree(acc, op)))
-    return out[0], out[1], out[2]
-
-
 def grad_stats(x: np.ndarray) -> tuple[float, float, float]:
-    """``(sum of squares, non-finite count, largest finite |x|)`` of ``x`` (fp32 or bf16) as the
-    device computes them, bit for bit: the sum of squares of every value (NaN or Inf once one
-    is: the norm a clip would see), summed in float32 within chunks of ``STATS_CHUNK`` elements
-    and in float64 across them; the largest |x| over the finite values (0 when there are none)."""
-    return grad_stats_finish(grad_stats_partials(x))
+    """``(sum of squares, non-finite count, largest finite |x|)`` of ``x`` (fp32 or bf16): the sum
+    of squares of every value (NaN or Inf once one is: the norm a clip would see), here in
+    float64; the largest |x| over the finite values (0 when there are none). The device sums in
+    float32 per thread and float64 across warps, in an order fixed by its launch shape: its sum
+    of squares is this one within a relative 1e-5; the count and the largest |x| are exact."""
+    x = _array(x, "x")
+    v = x.astype(np.float64).reshape(-1)
+    finite = np.isfinite(v)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sumsq = float(np.dot(v, v))
+    return sumsq, float(v.size - np.count_nonzero(finite)), float(np.abs(v[finite]).max(initial=0.0))
