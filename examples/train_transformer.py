@@ -171,10 +171,13 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             phases.mark(2 + 2 * m)
             total += loss.detach()
         if attached is not None:
+            # read before the optimizer step: its host sync then falls where the optimizer's norm
+            # read waits anyway, and the GPU never idles while the host queues the optimizer
+            stats = attached.step_stats() if log is not None else None
             if not opt.step(max_norm=args.clip):  # a non-finite gradient norm: nothing changed
                 skipped.append(step)
-            if log is not None:
-                record = log.record(attached.step_stats(), skipped=step in skipped)
+            if log is not None and stats is not None:
+                record = log.record(stats, skipped=step in skipped)
                 if record["nonfinite"] is not None:
                     reports.append(record["nonfinite"]["message"])
         else:
