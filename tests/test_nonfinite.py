@@ -47,7 +47,7 @@ def test_local_names_the_rank_and_the_earliest_micro_step(world: int) -> None:
                          "step": [(0, 1)]})
     rep = s.first_nonfinite()
     assert rep == NonFiniteReport(step=812, parameter="model.layers.1.q", layer=1, source="local", micro_step=2,
-                                  rank=r, count=2, tensors=3, ranks=2 if r != 1 else 1)
+                                  rank=r, count=2, tensors=3, ranks=2 if r != 1 else 1, world=world)
     assert str(rep).startswith(f"step 812 skipped: model.layers.1.q non-finite at micro-step 2 on rank {r}, 2 values")
 
 
@@ -60,10 +60,14 @@ def test_order_within_a_level_is_micro_step_then_rank_then_layout() -> None:
 
 
 def test_micro_then_step_when_earlier_levels_are_clean() -> None:
-    micro = _step(1, 3, {"micro": [(0, 1, 2)], "step": [(0, 0)]}).first_nonfinite()
-    assert micro is not None and (micro.source, micro.micro_step, micro.rank) == ("micro", 1, 0)
+    micro = _step(2, 3, {"micro": [(1, 1, 2)], "step": [(0, 0)]}).first_nonfinite()
+    assert micro is not None and (micro.source, micro.micro_step, micro.rank) == ("micro", 1, 1)
     assert str(micro) == ("step 812 skipped: model.layers.0.k non-finite at micro-step 1 after the exchange "
-                          "(rank 0's shard), 1 value")
+                          "(rank 1's shard), 1 value")
+    alone = _step(1, 3, {"micro": [(0, 1, 2)], "step": [(0, 0)]}).first_nonfinite()  # world 1: no exchange, no rank
+    assert str(alone) == "step 812 skipped: model.layers.0.k non-finite at micro-step 1, 1 value"
+    acc = _step(1, 3, {"step": [(0, 2)]}, micro=False).first_nonfinite()
+    assert str(acc) == "step 812 skipped: model.layers.0.k non-finite in the accumulated gradient, 1 value"
     step = _step(2, 3, {"step": [(1, 3), (0, 3)]}, micro=False).first_nonfinite()
     assert step is not None and (step.source, step.micro_step, step.rank, step.ranks) == ("step", None, 0, 2)
     assert str(step) == ("step 812 skipped: model.layers.1.q non-finite in the accumulated gradient (rank 0's part), "

@@ -35,7 +35,8 @@ class NonFiniteReport:
     """The first non-finite value of a step. ``micro_step`` is None where the level does not tell
     micro-steps apart (the accumulated gradient; a local gradient accumulated over the whole
     step); ``count`` is how many values of that tensor were non-finite there; ``tensors`` and
-    ``ranks`` how many tensors and ranks had any at that level (this one included)."""
+    ``ranks`` how many tensors and ranks had any at that level (this one included); ``world`` the
+    number of ranks (at world 1 the message names no rank)."""
 
     step: int
     parameter: str
@@ -46,13 +47,16 @@ class NonFiniteReport:
     count: int
     tensors: int
     ranks: int
+    world: int = 1
 
     def __str__(self) -> str:
         where = {
             "local": f"at micro-step {self.micro_step} on rank {self.rank}" if self.micro_step is not None
             else f"in rank {self.rank}'s local gradient",
-            "micro": f"at micro-step {self.micro_step} after the exchange (rank {self.rank}'s shard)",
-            "step": f"in the accumulated gradient (rank {self.rank}'s part)",
+            "micro": f"at micro-step {self.micro_step} after the exchange (rank {self.rank}'s shard)" if self.world > 1
+            else f"at micro-step {self.micro_step}",
+            "step": f"in the accumulated gradient (rank {self.rank}'s part)" if self.world > 1
+            else "in the accumulated gradient",
         }[self.source]
         text = f"step {self.step} skipped: {self.parameter} non-finite {where}, {_count(self.count, 'value')}"
         others = []
@@ -81,5 +85,6 @@ def first_nonfinite(step: int, names: Sequence[str], layers: Sequence[int], micr
         if len(bad):
             m, r, t = (int(i) for i in bad[0])
             return NonFiniteReport(step, names[t], layers[t], source, m if by_micro else None, r,
-                                   int(counts[r, m, t]), len(np.unique(bad[:, 2])), len(np.unique(bad[:, 1])))
+                                   int(counts[r, m, t]), len(np.unique(bad[:, 2])), len(np.unique(bad[:, 1])),
+                                   counts.shape[0])
     return None
