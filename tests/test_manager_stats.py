@@ -157,3 +157,78 @@ def test_more_micro_steps_later_regrow_the_rows() -> None:
     assert grown.micro is not None and fresh.micro is not None and grown.micro_steps == 4
     assert np.array_equal(grown.micro.sumsq, fresh.micro.sumsq, equal_nan=True)
     assert np.array_equal(grown.accumulated.sumsq, fresh.accumulated.sumsq)
+
+
+def test_step_stats_checks_names_before_the_collective() -> None:
+    """Wrong names are refused before the rows are measured again or gathered."""
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        rows = gm.stats()
+        before = rows.numpy().copy()
+        names = tuple(gm.step_stats().names)
+        lg.ops.fill_nan(rows)  # any new measurement would overwrite these
+        for bad in (("only-one",), names[:-1] + (names[0],), "".join(names), names[:-1] + ("",)):
+            with pytest.raises(ValueError, match="distinct non-empty strings"):
+                gm.step_stats(names=bad)  # type: ignore[arg-type]
+        assert np.isnan(rows.numpy()).all()  # nothing measured, nothing gathered
+        renamed = tuple(f"p{i}" for i in range(len(names)))
+        got = gm.step_stats(names=renamed)
+        assert got.names == renamed and np.array_equal(got.accumulated.sumsq[0], before[0, -1, :, 0])
+        gm.close()
+    lg.run_threads(2, job, backend="host")
+
+
+def test_graphs_keep_the_micro_step_count_and_refuse_rows_that_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture leaves the statistics' micro-step count as it was, a replay sets its own, and a
+    graph captured before the rows grew (a step of more micro-steps) is refused at replay."""
+    from test_replay import FakeGraph
+    holder: list[Any] = [None]
+    monkeypatch.setattr(lg.HostDevice, "capture_of", lambda device, stream: holder[0])
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 3, gm=gm, gfun=bf16_grad)  # rows for 3 micro-steps
+        g = holder[0] = FakeGraph()
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, first_step=1, gfun=bf16_grad)  # a template of 2
+        holder[0] = None
+        tpl = gm._graph_hooks.capture_ended(g, False)
+        assert gm.step_stats().micro_steps == 3  # the capture changed nothing
+        gm._graph_hooks.replay_done(gm._graph_hooks.replay_check(tpl), 0)
+        assert gm.step_stats().micro_steps == 2  # the replayed step's
+        drive(comm, layout, "scatter_reduce", False, 5, gm=gm, first_step=3, gfun=bf16_grad)  # the rows grow
+        with pytest.raises(ProtocolError, match="rows grew"):
+            gm._graph_hooks.replay_check(tpl)
+        gm.close()
+    lg.run_threads(1, job, backend="host")
+
+
+def test_a_failed_growth_keeps_the_rows_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When binding the launches for larger rows fails (out of memory), the manager keeps its
+    rows and goes on measuring steps that fit them."""
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        real = lg.ops.bind_stats_finish
+        calls = [0]
+
+        def failing(sink: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:  # the growth's finish (the first call binds the step pass's)
+                raise MemoryError("out of memory for the statistics")
+            return real(sink)
+        monkeypatch.setattr(lg.ops, "bind_stats_finish", failing)
+        with pytest.raises(MemoryError):
+            gm.start_micro_step(None, 0, 4)
+        monkeypatch.setattr(lg.ops, "bind_stats_finish", real)
+        assert not gm.in_micro_step
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, first_step=1, gfun=bf16_grad)
+        stats = gm.step_stats()
+        assert stats.micro is not None and stats.micro_steps == 2 and not np.isnan(stats.micro.sumsq[0, 1, -1])
+        gm.close()
+    lg.run_threads(1, job, backend="host")

@@ -42,6 +42,8 @@ class StatsSink:
     out: Tensor
     counter: Any
     jobs: list[Any] = field(default_factory=list)
+    #: the tensors the backend allocated for the bound launches (closed with their owner)
+    owned: list[Tensor] = field(default_factory=list)
 
 
 #: the statistics of a bound multi-tensor launch: the sink and the column of each item

@@ -286,6 +286,7 @@ class CudaKernels(Kernels):
         slot per tensor, kernels/grad_stats.cuh), and one job per tensor in the sink."""
         per = grid * self.stats_warps
         slots = self.device.alloc(max(count * per, 1) * self.slot_bytes, byte, name="grad_stats_slots")
+        sink.owned.append(slots)
         for t, column in enumerate(columns):
             sink.jobs.append(((slots.ptr + t * per * self.slot_bytes if per else 0, per, column, row0,
                                int(add_micro), lo, hi), slots))
@@ -329,6 +330,7 @@ class CudaKernels(Kernels):
         if not records:
             return lambda stream: None
         table = from_numpy(np.array(records, self.job_dtype).view(np.uint8), self.device, name="grad_stats_jobs")
+        sink.owned.append(table)
         spec = kernel("grad_stats_finish")
         k = Kernel(spec, self.kernel(spec).func)
         out, (counter_ptr, counter_alloc) = sink.out, _counter_args(sink.counter)

@@ -125,6 +125,7 @@ class GradientManager(ABC):
         self._sink: StatsSink | None = None  # where the micro-steps' launches put theirs
         self._finish: Callable[[int], None] | None = None  # writes their rows
         self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
+        self._step_sink: StatsSink | None = None
         self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
         self._alloc_non_block()
         self._alloc_blocks()
@@ -263,11 +264,18 @@ class GradientManager(ABC):
         self._check_call("end_micro_step", stream)
         self._protocol.check_end()
         last = self.last_micro_step
+        finish = self._finish if self._finish is not None and (last or self._stats_every_micro) else None
+        # the finish reads the counter's micro-step, so it must run before next_step resets it on
+        # the communication stream: inline, it goes on the engine's stream before
+        # _finish_non_block joins the communication stream to it (it always does); otherwise on
+        # the communication stream after the launches it reads
+        if finish is not None and self._inline:
+            finish(stream_handle(stream))
         if last:
             with nvtx_range("lowgrad.non_block reduce-scatter"):
                 self._finish_non_block(stream)
-        if self._finish is not None and (last or self._stats_every_micro):  # after the launches it reads
-            self._finish(stream_handle(stream) if self._inline else self._comm_handle)
+        if finish is not None and not self._inline:
+            finish(self._comm_handle)
         if last:
             self._counter.next_step(self._comm_handle)
         self._record(self._comm_done, self.comm_stream)
@@ -470,8 +478,6 @@ class GradientManager(ABC):
         shape = (rows.rows, rows.columns, len(FIELDS))
         out = self.device.alloc(shape, fp64, name="grad_stats")
         gathered = self.device.alloc((self.world, *shape), fp64, name="grad_stats_gathered") if self.world > 1 else None
-        # the old rows are dropped, not closed: a graph captured before holds them (and writes there)
-        self._stats, self._gathered, self._rows = out, gathered, rows
         shards = self.shards()  # block shards layer by layer, then the non-block ones
         columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
         step_sink = ops.stats_sink(out)
@@ -481,10 +487,26 @@ class GradientManager(ABC):
         def step_pass(h: int) -> None:
             measure(h)
             write(h)
-        self._step_pass = step_pass
-        self._sink = ops.stats_sink(out, self._counter)
+        # the old rows are dropped, not closed: a graph captured before holds them (its replays are
+        # refused from now on: _replay_check)
+        old = self._stats, self._gathered, self._rows, self._step_pass, self._step_sink
+        self._stats, self._gathered, self._rows = out, gathered, rows
+        self._step_pass, self._step_sink = step_pass, step_sink
+        try:
+            self._bind_stats()
+        except BaseException:  # e.g. out of memory for the slots: the manager keeps the rows it had
+            self._stats, self._gathered, self._rows, self._step_pass, self._step_sink = old
+            self._bind_stats()
+            raise
+
+    def _bind_stats(self) -> None:
+        """Bind the strategy's launches and the per-micro-step finish to a fresh sink of the
+        current rows (none without rows)."""
+        self._sink = None if self._stats is None else ops.stats_sink(self._stats, self._counter)
+        self._finish = None
         self._bind()  # the strategy's launches register in the sink (_stats_target)
-        self._finish = ops.bind_stats_finish(self._sink)
+        if self._sink is not None:
+            self._finish = ops.bind_stats_finish(self._sink)
 
     def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
         """Check and pack the strategy's per-layer launches once (again when the statistics are
@@ -531,6 +553,11 @@ class GradientManager(ABC):
         :class:`lowgrad.diagnostics.StepStats`: per parameter, per layer and global norms, the
         noise scale, the first non-finite value (``first_nonfinite()``). ``names``: the column
         names to report (default ``"<non-block name>"`` and ``"layers.<l>.<block name>"``)."""
+        if names is not None:  # checked before the collective and the rows' overwrite
+            columns = len(self.layout.non_block) + self.layout.num_layers * len(self.layout.block)
+            if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
+                    or len(set(names)) != columns:
+                raise ValueError(f"step_stats: names must be {columns} distinct non-empty strings, one per column")
         host = self.stats(stream).numpy()
         assert self._rows is not None
         return self._rows.step_stats(host, self._stats_m, self.step - 1, self.rank, names)
@@ -566,6 +593,10 @@ class GradientManager(ABC):
         for t in (self._stats, self._gathered):
             if t is not None:
                 t.close()
+        for sink in (self._sink, self._step_sink):  # what the bound launches allocated for their statistics
+            if sink is not None:
+                for t in sink.owned:
+                    t.close()
 
     @abstractmethod
     def _owned(self) -> list[Tensor]:
@@ -593,8 +624,8 @@ class GradientManager(ABC):
                                 "progress outside it")
         if not 0 <= micro_step < total:
             raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
-        self._recording = Recording(cap, state.copy(), self.step,
-                                    Template(micro_step, total, assume_touched=micro_step > 0))
+        self._recording = Recording(cap, state.copy(), self.step, self._stats_m,
+                                    Template(micro_step, total, assume_touched=micro_step > 0, stats=self._stats))
         state.micro, state.total, state.nb_touched = micro_step - 1, total, set()
         cap.join(self._graph_hooks)
         cap.keep(self._graph_allocations())
@@ -618,6 +649,7 @@ class GradientManager(ABC):
         partial, tpl = state.in_micro, rec.template
         tpl.touched, tpl.micro = frozenset(state.nb_touched), state.micro
         self._protocol, self.step, self._recording = rec.saved, rec.saved_step, None
+        self._stats_m = rec.saved_stats_m
         for e in self._events():
             e.record(self.comm_stream)
         if failed:
@@ -630,6 +662,9 @@ class GradientManager(ABC):
     def _replay_check(self, template: Template) -> Replayed:
         """Whether the captured micro-steps fit this manager's next ones; the state after them."""
         self._check_open("graph replay")
+        if template.stats is not self._stats:  # the rows grew for a step of more micro-steps since
+            raise ProtocolError("graph replay: the graph was captured before the gradient statistics' rows grew "
+                                "for a step of more micro-steps; capture it again")
         return template.fit(self._protocol, self.step)
 
     def _replay_before(self, stream: int) -> None:
@@ -643,7 +678,7 @@ class GradientManager(ABC):
         state = self._protocol
         state.complete = state.complete or applied.step > self.step  # the replay ended a step
         state.micro, state.total, state.nb_touched = applied.micro, applied.total, set(applied.touched)
-        self.step = applied.step
+        self.step, self._stats_m = applied.step, applied.total
         for e in self._events():
             e.record(stream)
         self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay

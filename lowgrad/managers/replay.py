@@ -26,7 +26,8 @@ class Template:
     """What one capture recorded of a manager: ``count`` micro-steps from micro-step ``m0`` of
     steps of ``total``, ending ``steps`` steps; ``micro``: the micro-step at the capture's end
     (-1: between steps); ``touched``: the non-block gradients produced in the step by then;
-    ``assumed``: for a template starting mid-step, those it assumed produced before it."""
+    ``assumed``: for a template starting mid-step, those it assumed produced before it;
+    ``stats``: the statistics rows its launches write (None: the manager measures none)."""
 
     m0: int
     total: int
@@ -36,6 +37,7 @@ class Template:
     assumed: frozenset[str] | None = None
     touched: frozenset[str] = frozenset()
     micro: int = -1
+    stats: Any = None
 
     def micro_step_ended(self, touched: set[str], last: bool) -> None:
         if self.assume_touched:  # a template starting mid-step assumed these were produced before
@@ -83,6 +85,7 @@ class Recording:
     graph: Any
     saved: MicroStepState
     saved_step: int
+    saved_stats_m: int  # the micro-steps of the step the statistics rows hold
     template: Template
     events: set[Any] = field(default_factory=set)
 

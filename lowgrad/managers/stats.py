@@ -93,7 +93,8 @@ class StatsRows:
             local = stats(host[:, C:C + M])
         elif W > 1 and self.local == "step":
             local = stats(host[:, C:C + 1])
-        return StepStats(names=names or self.names, layers=self.layers, accumulated=stats(host[:, 2 * C]),
+        return StepStats(names=self.names if names is None else names, layers=self.layers,
+                         accumulated=stats(host[:, 2 * C]),
                          micro=stats(host[:, :M]) if self.micro else None, local=local,
                          micro_batch=W, local_batch=M if self.local == "step" else 1, step_batch=M * W,
                          step=step, rank=rank, world=W, micro_steps=M)
