@@ -8,9 +8,8 @@ for T tensors in layout order (the non-block tensors, then layer 0's block tenso
   parts of all ranks make the tensor), covering ``step_batch`` samples;
 - ``micro`` [W, M, T] or None: rank r's part of the gradient the manager consumed at micro-step m
   (for the sharded strategies the reduced gradient's shard on rank r), covering ``micro_batch``
-  samples; None where the strategy never sees a micro-step's reduced gradient (all_to_all at world > 1;
-  the unsharded one, whose
-  engine accumulates);
+  samples; None where the strategy never sees a micro-step's reduced gradient (``all_to_all`` at
+  world > 1; the unsharded one, whose engine accumulates);
 - ``local`` [W, M, T] or [W, 1, T], or None: each rank's own full gradient before any exchange, of
   each micro-step (covering ``local_batch`` samples) or accumulated over the step (the unsharded
   strategy); world > 1 only (at world 1 there is no exchange).
