@@ -202,7 +202,7 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
         if not (isinstance(seeds, tuple) and seeds and seeds[0] is stats[0].counter is not None):
             raise ValueError("bind_add_sr_multi: stats= needs seeds from the sink's SeedCounter (its micro-step "
                              "picks the row)")
-        _check_columns(stats[0], stats[1], len(items), items[0][0].device, "bind_add_sr_multi")
+        columns = _check_columns(stats[0], stats[1], len(items), items[0][0].device, "bind_add_sr_multi")
     d0, a0, b0, _ = items[0]
     for dst, a, b, off in items:
         _check_add_sr(dst, a, b, scale, 0, off)
@@ -211,7 +211,7 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
                             f"on {dst.device!r}; every item needs ({d0.dtype.name}, {d0.dtype.name}, "
                             f"{b0.dtype.name}) on {d0.device!r}")
     seeds = check_seed_source(seeds, len(items), d0.device)
-    target = None if stats is None else (stats[0], [int(c) for c in stats[1]])  # checked above
+    target = None if stats is None else (stats[0], columns)
     return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds, target)
 
 

@@ -101,6 +101,16 @@ def _counter_args(counter: Any) -> tuple[int, tuple[Any, ...]]:
     return (counter.tensor.ptr, (counter.tensor.allocation,)) if counter is not None else (0, ())
 
 
+def _run_packed(launches: list[tuple[Kernel, int]], allocs: tuple[Any, ...], name: str) -> Callable[[int], None]:
+    """A bound launch: ``f(stream)`` checks ``allocs`` (:func:`_check_open`) and launches each
+    packed kernel of ``launches`` on its grid, in order."""
+    def run(stream: int) -> None:
+        _check_open(allocs, name)
+        for k, grid in launches:
+            k.launch_packed(grid, stream)
+    return run
+
+
 def _check_open(allocs: tuple[Any, ...], name: str) -> None:
     """A bound launch's guard: its tensors are open (and held by a graph being captured)."""
     for a in allocs:
@@ -263,14 +273,7 @@ class CudaKernels(Kernels):
             if grid:
                 launches.append((k, grid))
         held = [t for item in items for t in item[:3]] + owned
-        allocs = tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc
-        name = items[0][0].name
-
-        def run(stream: int) -> None:
-            _check_open(allocs, name)
-            for k, grid in launches:
-                k.launch_packed(grid, stream)
-        return run
+        return _run_packed(launches, tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc, items[0][0].name)
 
     def _chunks(self, tensors: list[Tensor], size: int) -> list[int]:
         """``first``: tensor t owns chunks ``[first[t], first[t + 1])`` of ``CHUNK_ELEMS``
@@ -288,8 +291,8 @@ class CudaKernels(Kernels):
         slots = self.device.alloc(max(count * per, 1) * self.slot_bytes, byte, name="grad_stats_slots")
         sink.owned.append(slots)
         for t, column in enumerate(columns):
-            sink.jobs.append(((slots.ptr + t * per * self.slot_bytes if per else 0, per, column, row0,
-                               int(add_micro), lo, hi), slots))
+            sink.jobs.append((slots.ptr + t * per * self.slot_bytes if per else 0, per, column, row0, int(add_micro),
+                              lo, hi))
         return slots
 
     def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
@@ -314,35 +317,21 @@ class CudaKernels(Kernels):
                                   "count": len(part), "partials": slots.ptr}))
             if grid:
                 launches.append((k, grid))
-        allocs = tuple(dict.fromkeys(t.allocation for t in (*tensors, *owned)))
-        name = tensors[0].name
-
-        def run(stream: int) -> None:
-            _check_open(allocs, name)
-            for k, grid in launches:
-                k.launch_packed(grid, stream)
-        return run
+        return _run_packed(launches, tuple(dict.fromkeys(t.allocation for t in (*tensors, *owned))), tensors[0].name)
 
     def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
         """``f(stream)``: ``grad_stats_finish`` over the sink's jobs (their table copied to the
         device here), one block per job."""
-        records = [record for record, _ in sink.jobs]
-        if not records:
+        if not sink.jobs:
             return lambda stream: None
-        table = from_numpy(np.array(records, self.job_dtype).view(np.uint8), self.device, name="grad_stats_jobs")
-        sink.owned.append(table)
+        table = from_numpy(np.array(sink.jobs, self.job_dtype).view(np.uint8), self.device, name="grad_stats_jobs")
+        sink.owned.append(table)  # with every launch's slots
         spec = kernel("grad_stats_finish")
         k = Kernel(spec, self.kernel(spec).func)
         out, (counter_ptr, counter_alloc) = sink.out, _counter_args(sink.counter)
-        k.pack(table.ptr, len(records), out.ptr, out.shape[0], out.shape[1], counter_ptr)
-        held = [table, out, *(slots for _, slots in sink.jobs)]
-        allocs = tuple(dict.fromkeys(t.allocation for t in held)) + counter_alloc
-        count = len(records)
-
-        def run(stream: int) -> None:
-            _check_open(allocs, out.name)
-            k.launch_packed(count, stream)
-        return run
+        k.pack(table.ptr, len(sink.jobs), out.ptr, out.shape[0], out.shape[1], counter_ptr)
+        allocs = tuple(dict.fromkeys(t.allocation for t in (out, *sink.owned))) + counter_alloc
+        return _run_packed([(k, len(sink.jobs))], allocs, out.name)
 
     def resident_blocks(self, func: int, block: int) -> int:
         """Blocks of ``func`` that fit on the whole GPU at once (its occupancy x SMs)."""

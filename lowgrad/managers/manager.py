@@ -553,8 +553,8 @@ class GradientManager(ABC):
         :class:`lowgrad.diagnostics.StepStats`: per parameter, per layer and global norms, the
         noise scale, the first non-finite value (``first_nonfinite()``). ``names``: the column
         names to report (default ``"<non-block name>"`` and ``"layers.<l>.<block name>"``)."""
-        if names is not None:  # checked before the collective and the rows' overwrite
-            columns = len(self.layout.non_block) + self.layout.num_layers * len(self.layout.block)
+        if names is not None and self._rows is not None:  # before the collective and the rows' overwrite
+            columns = self._rows.columns
             if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
                     or len(set(names)) != columns:
                 raise ValueError(f"step_stats: names must be {columns} distinct non-empty strings, one per column")
