@@ -1,0 +1,100 @@
+"""The gradient-statistics fronts of ``lowgrad.ops`` (``stats_sink``, ``bind_grad_stats``,
+``bind_stats_finish``, ``bind_add_sr_multi(..., stats=)``) on the host backend: every bad argument
+is refused with a clear exception, a corrected retry works,
+NaN and Inf are counted, and a launch run twice writes the same row."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lowgrad as lg
+from lowgrad import ops
+from lowgrad.sr.seedcounter import SeedCounter
+
+
+@pytest.fixture
+def dev() -> lg.HostDevice:
+    return lg.HostDevice()
+
+
+def rows(dev: lg.HostDevice, shape: tuple[int, ...] = (3, 4, 3)) -> lg.Tensor:
+    out = dev.alloc(shape, lg.fp64, name="out")
+    ops.fill_nan(out)
+    return out
+
+
+def test_stats_sink_refuses_what_cannot_hold_rows(dev: lg.HostDevice) -> None:
+    bads: list[tuple[Any, type]] = [("rows", TypeError), (dev.alloc((3, 4, 3), lg.fp32, name="x"), TypeError),
+                       (dev.alloc((3, 4), lg.fp64, name="x"), TypeError), (dev.alloc((3, 4, 2), lg.fp64, name="x"),
+                                                                            TypeError)]
+    for bad, error in bads:
+        with pytest.raises(error, match="out"):
+            ops.stats_sink(bad)
+    with pytest.raises(TypeError, match="SeedCounter"):
+        ops.stats_sink(rows(dev), counter=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SeedCounter"):
+        ops.stats_sink(rows(dev), counter=SeedCounter(lg.HostDevice(), 1, 0))  # another device's
+
+
+def test_bad_grad_stats_arguments_are_refused_and_a_retry_works(dev: lg.HostDevice) -> None:
+    out = rows(dev)
+    sink = ops.stats_sink(out)
+    xs = [lg.from_numpy(np.array([3.0, -4.0, np.nan, np.inf], np.float32), dev, name="x"),
+          lg.from_numpy(np.array([1.0, 2.0], np.float32), dev, name="y")]
+    bad: list[tuple[dict[str, Any], type, str]] = [
+        (dict(tensors=[]), ValueError, "non-empty"),
+        (dict(sink=out), TypeError, "stats_sink"),
+        (dict(tensors=[xs[0], dev.alloc(2, lg.bf16, name="z")]), TypeError, "every tensor"),
+        (dict(tensors=[xs[0], dev.alloc(2, lg.fp16, name="z")]), TypeError, "dtype"),
+        (dict(columns=[0]), ValueError, "one column per tensor"),
+        (dict(columns=[0, 4]), ValueError, "column 4 outside"),
+        (dict(columns=[0, 1.0]), TypeError, "column"),
+        (dict(row=3), ValueError, "row 3 outside"),
+        (dict(row=True), TypeError, "row"),
+        (dict(per_micro=1), TypeError, "per_micro"),
+        (dict(per_micro=True), ValueError, "seed counter"),
+    ]
+    good: dict[str, Any] = dict(tensors=xs, sink=sink, columns=[2, 0], row=1, per_micro=False)
+    for change, error, match in bad:
+        with pytest.raises(error, match=match):
+            ops.bind_grad_stats(**(good | change))
+    run, finish = ops.bind_grad_stats(**good), ops.bind_stats_finish(sink)
+    for _ in range(2):  # twice: the same row, the same values
+        run(0)
+        finish(0)
+        got = out.numpy()
+        assert np.isnan(got[1, 2, 0]) and got[1, 2, 1:].tolist() == [2.0, 4.0]  # NaN in the sum, 2 counted
+        assert got[1, 0].tolist() == [5.0, 0.0, 2.0]
+        assert np.isnan(got[0]).all() and np.isnan(got[2]).all() and np.isnan(got[1, [1, 3]]).all()
+
+
+def test_bad_stats_target_of_the_multi_add_is_refused_before_binding(dev: lg.HostDevice) -> None:
+    counter = SeedCounter(dev, 1, 0)
+    out = rows(dev)
+    sink = ops.stats_sink(out, counter)
+    shard = lg.from_numpy(np.zeros(4, np.float32), dev, name="shard")
+    grad = lg.from_numpy(np.array([1.0, 2.0, 3.0, 4.0], np.float32), dev, name="grad")
+    items = [(shard, shard, grad, 0)]
+    for stats, seeds, error, match in (
+            ((out, [0]), (counter, 0, [0]), TypeError, "sink"),
+            ((sink, [0]), [7], ValueError, "SeedCounter"),
+            ((ops.stats_sink(out, SeedCounter(dev, 2, 0)), [0]), (counter, 0, [0]), ValueError, "SeedCounter"),
+            ((sink, [5]), (counter, 0, [0]), ValueError, "column 5"),
+            ((sink, [0, 1]), (counter, 0, [0]), ValueError, "one column per tensor")):
+        with pytest.raises(error, match=match):
+            ops.bind_add_sr_multi(items, seeds, stats=stats)  # type: ignore[arg-type]
+    add = ops.bind_add_sr_multi(items, (counter, 0, [0]), stats=(sink, [3]))
+    add(0)  # micro-step 0: the add runs, no statistics (its row is measured from micro-step 1 on)
+    assert shard.numpy().tolist() == [1.0, 2.0, 3.0, 4.0] and np.isnan(out.numpy()).all()
+    counter.next_micro(0)
+    add(0)
+    ops.bind_stats_finish(sink)(0)
+    assert out.numpy()[1, 3].tolist() == [30.0, 0.0, 4.0]  # b of micro-step 1
+    assert out.numpy()[0, 3].tolist() == [30.0, 0.0, 4.0]  # a at micro-step 1: micro-step 0's sum
+
+
+def test_bind_stats_finish_needs_a_sink(dev: lg.HostDevice) -> None:
+    with pytest.raises(TypeError, match="stats_sink"):
+        ops.bind_stats_finish(rows(dev))  # type: ignore[arg-type]
