@@ -40,7 +40,7 @@ template <typename T> __device__ __forceinline__ void grad_stats(const GradStats
         float v[8];
         if (vec && count == GROUP_ELEMS) load8<true>(x + e, count, v);
         else load8<false>(x + e, count, v);
-        st.acc.add8(v, count);
+        st.acc.add8(v);
       }
     }
   }

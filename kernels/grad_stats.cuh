@@ -1,10 +1,9 @@
 // Gradient statistics (grad_stats.cu; the multi-tensor add_sr computes them in passing): for each
 // tensor the sum of squares, the count of non-finite values and the largest finite |x|.
 //
-// Each thread sums its elements' squares in float32 (fused multiply-add) in the order it visits
-// them; each warp keeps
-// its lanes' values for the tensor in hand and, when the block moves on to the next tensor of the
-// launch, combines them by a fixed tree (lanes i and i + h for h = 16 .. 1) into one StatsPartial
+// Each thread sums its elements' squares in float32, a group of 8 at a time (StatsAcc::add8) in the
+// order it visits them; each warp keeps its lanes' values for the tensor in hand and, when the block
+// moves on to the next tensor of the launch, combines them by a fixed tree (lanes i and i + h for h = 16 .. 1) into one StatsPartial
 // slot: slot (t * gridDim.x + block) * STATS_WARPS + warp of the launch's partials. No shared
 // memory, no barrier: the accumulation kernel keeps streaming. Every warp writes one slot for every
 // tensor of its launch (zeros for a tensor its block never reached), so tensor t's statistics are
@@ -25,21 +24,34 @@ struct StatsPartial {  // one warp's statistics of one tensor (16 bytes)
 };
 
 struct StatsAcc {  // one thread's statistics of the current tensor
-  float s = 0.0f, m = 0.0f, c = 0.0f;  // the count in float: exact to 2^24, far above a thread's share
+  float s = 0.0f, m = 0.0f;
+  u32 c = 0u;
 
-  // the first `count` of v, in order. Only float operations: the SR kernels that call this keep
-  // the integer pipes busy with Philox, so integer work here would slow them down
-  __device__ __forceinline__ void add8(const float (&v)[8], u32 count) {
+  // Eight more values (a group's values past its end are 0, which changes nothing). The group's
+  // sum of squares t (fused multiply-adds in element order) and largest |x| g are formed first;
+  // t is finite exactly when every value is finite (short of an overflow of finite squares), so
+  // the non-finite count and the largest *finite* |x| are worked out only for a group whose t is
+  // not: the common group costs two instructions per value. The statistics ride inside the SR
+  // add, which issues close to the SM's instruction rate.
+  __device__ __forceinline__ void add8(const float (&v)[8]) {
+    float t = __fmul_rn(v[0], v[0]);
 #pragma unroll
-    for (u32 k = 0; k < 8; ++k) {
-      if (k < count) {
-        s = fmaf(v[k], v[k], s);
+    for (int k = 1; k < 8; ++k) t = fmaf(v[k], v[k], t);
+    float g;
+    if (fabsf(t) <= __int_as_float(0x7f7fffff)) {
+      g = fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
+                fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
+    } else {
+      g = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
         const float a = fabsf(v[k]);
-        const bool finite = a <= __int_as_float(0x7f7fffff);  // NaN compares false
-        m = fmaxf(m, finite ? a : 0.0f);
-        c += finite ? 0.0f : 1.0f;
+        if (a <= __int_as_float(0x7f7fffff)) g = fmaxf(g, a);  // NaN compares false
+        else ++c;
       }
     }
+    s = __fadd_rn(s, t);
+    m = fmaxf(m, g);
   }
 };
 
@@ -52,7 +64,7 @@ struct StatsStream {
 
   __device__ __forceinline__ void write() {
     float s = acc.s, m = acc.m;
-    u32 c = (u32)acc.c;
+    u32 c = acc.c;
 #pragma unroll
     for (u32 h = 16; h > 0; h >>= 1) {
       s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, h));

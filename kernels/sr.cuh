@@ -10,13 +10,14 @@ struct bf16_t {  // a bf16 value as its bit pattern
 __device__ constexpr bool rounds_sr(float*) { return false; }  // stored exactly
 __device__ constexpr bool rounds_sr(bf16_t*) { return true; }  // stored with SR
 
-// bf16 bits of v rounded with the 16-bit noise r: the top half of u + r (+ u's bit 16 when rn is 1:
-// with r = 0x7fff that is round to nearest even). NaN stays a (quiet) NaN with its sign; Inf stays
-// Inf; overflow past the largest bf16 gives Inf.
-__device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r, u32 rn) {
+// v's bits u rounded to bf16 with the 16-bit noise r, in the top half of the result: u + r (+ u's
+// bit 16 when rn is 1: with r = 0x7fff that is round to nearest even). NaN stays a (quiet) NaN with
+// its sign; Inf stays Inf; overflow past the largest bf16 gives Inf.
+__device__ __forceinline__ u32 sr_word(float v, u32 r, u32 rn) {
   const u32 u = __float_as_uint(v);
-  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x0040u : (u + r + ((u >> 16) & rn)) >> 16;
+  return v != v ? u | 0x00400000u : u + r + ((u >> 16) & rn);
 }
+__device__ __forceinline__ u32 bf16_sr_bits(float v, u32 r, u32 rn) { return sr_word(v, r, rn) >> 16; }
 
 // v as a T with the 16-bit noise r: exact for fp32, rounded for bf16.
 template <typename T> __device__ __forceinline__ T round_as(float v, u32 r, u32 rn);
@@ -160,8 +161,25 @@ template <bool VEC, typename T> __device__ __forceinline__ void load8(const T* p
   to_f32x8(load_raw8<VEC>(p, count), v);
 }
 
+// The top halves of two words as one bf16 pair (one byte permute instead of two shifts and an or).
+__device__ __forceinline__ u32 top_halves(u32 lo, u32 hi) { return __byte_perm(lo, hi, 0x7632); }
+
 __device__ __forceinline__ u32 pack_bf16x2_sr(float lo, float hi, u32 r, u32 rn) {
-  return bf16_sr_bits(lo, r & 0xffffu, rn) | (bf16_sr_bits(hi, r >> 16, rn) << 16);
+  return top_halves(sr_word(lo, r & 0xffffu, rn), sr_word(hi, r >> 16, rn));
+}
+
+// pack_bf16x2_sr with SR noise (rn 0) for two finite values: no NaN test. Overflow past the
+// largest bf16 still carries into Inf, as in bf16_sr_bits.
+__device__ __forceinline__ u32 pack_bf16x2_sr_finite(float lo, float hi, u32 r) {
+  return top_halves(__float_as_uint(lo) + (r & 0xffffu), __float_as_uint(hi) + (r >> 16));
+}
+
+// Whether the 8 values are finite, by one sum: a NaN or Inf makes it NaN or Inf. A sum that
+// overflows from finite values also says "no", which only sends the group to the general path.
+__device__ __forceinline__ bool finite8(const float (&v)[8]) {
+  const float s = __fadd_rn(__fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3])),
+                            __fadd_rn(__fadd_rn(v[4], v[5]), __fadd_rn(v[6], v[7])));
+  return fabsf(s) <= __int_as_float(0x7f7fffff);
 }
 
 __device__ __forceinline__ void store8_vec(float* p, const float (&v)[8], uint4, u32) {
