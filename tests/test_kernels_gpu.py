@@ -575,12 +575,15 @@ def test_closed_tensor_raises_before_launch(gpu: lg.Device) -> None:
     gpu.synchronize()  # nothing bad was queued
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
 @pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32), (lg.fp32, lg.bf16), (lg.fp32, lg.fp32)],
                          ids=_ids)
 def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevice,
-                                               dtypes: tuple[lg.DType, lg.DType]) -> None:
+                                               dtypes: tuple[lg.DType, lg.DType], scale: float) -> None:
     """20 tensors (two launches of up to 16) of mixed sizes, one misaligned view, own offsets and
-    seeds: the multi-tensor kernel gives the reference's bits for every tensor."""
+    seeds, every third tensor with NaN, Inf, overflow and denormals among its values: the
+    multi-tensor kernel gives the reference's bits for every tensor. Scale 1 with offsets that are
+    multiples of 8 takes the kernel's fast path (one NaN test per group), the rest the general one."""
     rng, seed = _rng()
     d_dt, b_dt = dtypes
     sizes = [1, 7, 9, 4096, 256 * 8 + 3, 70_003, 1 << 20, 3, 17, 1000] * 2
@@ -588,14 +591,16 @@ def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevi
     s = gpu.stream()
     seeds = [int(rng.integers(0, 1 << 63)) for _ in sizes]
     for i, n in enumerate(sizes):
-        a, b = _values(rng, n + 1, d_dt), _values(rng, n, b_dt)
-        off = _offset(rng) if i % 3 else 0
+        special = i % 3 == 1 and n >= 64  # room for every special value
+        a = _with_specials(rng, n + 1, d_dt) if special else _values(rng, n + 1, d_dt)
+        b = _with_specials(rng, n, b_dt) if special else _values(rng, n, b_dt)
+        off = (_offset(rng) if i % 2 else 8 * int(rng.integers(0, 1 << 40))) if i % 5 else 0
         dst = _put(gpu, a, name="multi_a").view(1, n) if i == 4 else _put(gpu, a[:n], name="multi_a")
         items.append((dst, dst, _put(gpu, b, name="multi_b"), off))
-        ref = lg.reference.add_sr(a[1:] if i == 4 else a[:n], b, 0.5, seeds[i], off, out_dtype=d_dt)
+        ref = lg.reference.add_sr(a[1:] if i == 4 else a[:n], b, scale, seeds[i], off, out_dtype=d_dt)
         want.append(ref)
         outs.append(dst)
-    run = lg.ops.bind_add_sr_multi(items, seeds, 0.5)
+    run = lg.ops.bind_add_sr_multi(items, seeds, scale)
     run(s.handle)
     s.synchronize()
     for i, (dst, ref) in enumerate(zip(outs, want)):
