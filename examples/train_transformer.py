@@ -171,13 +171,15 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             phases.mark(2 + 2 * m)
             total += loss.detach()
         if attached is not None:
-            # read before the optimizer step: its host sync then falls where the optimizer's norm
-            # read waits anyway, and the GPU never idles while the host queues the optimizer
-            stats = attached.step_stats() if log is not None else None
+            # the statistics' copy to the host is queued before the optimizer step, and read after
+            # it: the optimizer's norm read has synced past the copy by then, so the reading costs
+            # no sync of its own, and building and logging it on the host overlaps the optimizer's
+            # kernels on the GPU
+            reading = attached.read_stats() if log is not None else None
             if not opt.step(max_norm=args.clip):  # a non-finite gradient norm: nothing changed
                 skipped.append(step)
-            if log is not None and stats is not None:
-                record = log.record(stats, skipped=step in skipped)
+            if log is not None and reading is not None:
+                record = log.record(reading.result(), skipped=step in skipped)
                 if record["nonfinite"] is not None:
                     reports.append(record["nonfinite"]["message"])
         else:

@@ -50,6 +50,7 @@ from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.managers.stats import StatsReading
 
 _BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "model.decoder.layers")
 
@@ -370,7 +371,13 @@ class Attached:
     def step_stats(self) -> StepStats:
         """:meth:`stats` on the host (one sync) as a :class:`lowgrad.diagnostics.StepStats` whose
         tensors carry the module's parameter names (``model.layers.17.mlp.down_proj.weight``)."""
-        return self.gm.step_stats(self.current_stream(), self._stats_names)
+        return self.read_stats().result()
+
+    def read_stats(self) -> StatsReading:
+        """:meth:`step_stats` without a host sync: the rows' copy to the host queued on PyTorch's
+        current stream (:meth:`lowgrad.GradientManager.read_stats`); the reading's ``result()``
+        is the :class:`lowgrad.diagnostics.StepStats`, with the module's parameter names."""
+        return self.gm.read_stats(self.current_stream(), self._stats_names)
 
     def clip_coefficient(self, max_norm: float, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
         """``(coefficient, finite)`` as 0-d device tensors, no host sync: ``min(1, max_norm /

@@ -232,3 +232,101 @@ def test_a_failed_growth_keeps_the_rows_it_had(monkeypatch: pytest.MonkeyPatch) 
         assert stats.micro is not None and stats.micro_steps == 2 and not np.isnan(stats.micro.sumsq[0, 1, -1])
         gm.close()
     lg.run_threads(1, job, backend="host")
+
+
+def test_read_stats_refusals_queue_nothing_and_a_retry_works() -> None:
+    """read_stats is refused before a step, during one, after close and without stats=True, and
+    for bad names with the rows and the host buffer untouched; the corrected call works."""
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        plain = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce")
+        drive(comm, layout, "scatter_reduce", False, 2, gm=plain)
+        with pytest.raises(ValueError, match="stats=True"):
+            plain.read_stats()
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        with pytest.raises(ProtocolError, match="read_stats"):
+            gm.read_stats()
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        want = gm.step_stats()
+        rows, host = gm.stats(), gm._host_rows
+        assert host is not None
+        lg.ops.fill_nan(rows)  # any new measurement, gather or copy would overwrite these
+        lg.ops.fill_nan(host.tensor)
+        with pytest.raises(ValueError, match="distinct non-empty strings"):
+            gm.read_stats(names=("only-one",))
+        assert np.isnan(rows.numpy()).all() and np.isnan(host.tensor.numpy()).all()
+        got = gm.read_stats().result()
+        assert np.array_equal(got.accumulated.sumsq, want.accumulated.sumsq)
+        gm.start_micro_step(None, 0, 2)
+        with pytest.raises(ProtocolError, match="read_stats"):
+            gm.read_stats()
+        gm.close()
+        with pytest.raises(lg.ClosedError):
+            gm.read_stats()
+    lg.run_threads(2, job, backend="host")
+
+
+def same_stats(a: StepStats, b: StepStats) -> None:
+    assert a.names == b.names and (a.step, a.micro_steps, a.world) == (b.step, b.micro_steps, b.world)
+    for field in ("accumulated", "micro", "local"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x is None) == (y is None), field
+        if x is not None:
+            for part in ("sumsq", "nonfinite", "maxabs"):
+                assert np.array_equal(getattr(x, part), getattr(y, part), equal_nan=True), (field, part)
+
+
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_reading_equals_step_stats_and_outlives_the_next_step(world: int, strategy: str) -> None:
+    """A reading's result equals step_stats (a StepStats whose checks it passes), is the same
+    object when asked again, and keeps its values after the next step and its reading; a
+    reading left unresolved at the next read_stats is stale (ProtocolError), one left at close
+    ClosedError."""
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, stats=True)
+        drive(comm, layout, strategy, False, M, gm=gm, gfun=bf16_grad)
+        reading = gm.read_stats()
+        assert reading.ready()  # the host backend's streams are synchronous
+        stats = reading.result()
+        assert reading.result() is stats and reading.ready()
+        same_stats(stats, gm.step_stats())
+        same_stats(stats, StepStats(**{f: getattr(stats, f) for f in stats.__dataclass_fields__}))
+        kept = {f: getattr(stats, f).sumsq.copy() for f in ("accumulated", "micro", "local")
+                if getattr(stats, f) is not None}
+        drive(comm, layout, strategy, False, M, gm=gm, first_step=1, gfun=nan_at(comm.rank, 0, 1, 0))
+        stale = gm.read_stats()
+        fresh = gm.read_stats()
+        for call in (stale.ready, stale.result):
+            with pytest.raises(ProtocolError, match="reused"):
+                call()
+        assert fresh.result().step == 1 and fresh.result().first_nonfinite() is not None
+        assert reading.result() is stats and stats.first_nonfinite() is None
+        for f, v in kept.items():
+            assert np.array_equal(getattr(stats, f).sumsq, v, equal_nan=True), f
+        last = gm.read_stats()
+        gm.close()
+        with pytest.raises(lg.ClosedError, match="closed before"):
+            last.result()
+        assert fresh.result().step == 1
+    lg.run_threads(world, job, backend="host")
+
+
+def test_a_reading_survives_the_rows_growing() -> None:
+    """A step of more micro-steps gives the manager new rows and a new host buffer; a reading of
+    the step before, resolved only then, holds that step's values."""
+    layout = small_layout()
+
+    def job(comm: Any) -> None:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        want = gm.step_stats()
+        reading = gm.read_stats()
+        drive(comm, layout, "scatter_reduce", False, 4, gm=gm, first_step=1, gfun=bf16_grad)
+        assert gm.read_stats().result().micro_steps == 4
+        same_stats(reading.result(), want)
+        gm.close()
+    lg.run_threads(1, job, backend="host")

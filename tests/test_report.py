@@ -141,3 +141,38 @@ def test_entries_not_measured_are_left_out_of_the_noise_scale() -> None:
     bad[1][0, 0, 0] = -1  # "not measured" but with values
     with pytest.raises(ValueError, match="not measured"):
         Stats(*bad)
+
+
+def test_layer_summaries_equal_each_group_summed_alone() -> None:
+    """The per-layer summaries, computed for every layer at once, against each layer's columns
+    summed on their own (within float rounding: the sums run in another order), with entries
+    not measured in the first group, inside a group and in a whole last group."""
+    W, M = 2, 4
+    names = [f"t{i}" for i in range(9)]
+    layers = [-1, -1, 0, 0, 0, 1, 1, 2, 2]
+    T = len(names)
+    rng = np.random.default_rng(3)
+    micro, local = stats((W, M, T), rng.uniform(1, 2, (W, M, T))), stats((W, M, T), rng.uniform(1, 2, (W, M, T)))
+    acc = stats((W, T), rng.uniform(1, 2, (W, T)), rng.integers(0, 2, (W, T)), rng.uniform(0, 1, (W, T)))
+    for s, cols in ((micro, [0, 1, 3, 7, 8]), (local, [0, 1, 4])):
+        s.sumsq[..., cols], s.nonfinite[..., cols], s.maxabs[..., cols] = np.nan, -1, np.nan
+    got = StepStats(names=names, layers=layers, accumulated=acc, micro=micro, local=local, micro_batch=W,
+                    local_batch=1, step_batch=M * W, step=0, rank=0, world=W, micro_steps=M)
+    summaries = got.layer_summaries()
+    assert list(summaries) == [-1, 0, 1, 2]
+    for layer, s in summaries.items():
+        cols = [t for t in range(T) if layers[t] == layer]
+        alone = StepStats(names=[names[t] for t in cols], layers=[0] * len(cols),
+                          accumulated=Stats(acc.sumsq[:, cols], acc.nonfinite[:, cols], acc.maxabs[:, cols]),
+                          micro=Stats(*(a[..., cols] for a in (micro.sumsq, micro.nonfinite, micro.maxabs))),
+                          local=Stats(*(a[..., cols] for a in (local.sumsq, local.nonfinite, local.maxabs))),
+                          micro_batch=W, local_batch=1, step_batch=M * W, step=0, rank=0, world=W,
+                          micro_steps=M).summary()
+        assert (s.nonfinite, s.maxabs) == (alone.nonfinite, alone.maxabs), layer
+        assert s.norm == pytest.approx(alone.norm, rel=1e-14), layer
+        for ours, theirs in ((s.noise, alone.noise), (s.noise_local, alone.noise_local)):
+            assert (ours is None) == (theirs is None), layer
+            if ours is not None and theirs is not None:
+                assert (ours.g2, ours.trace) == pytest.approx((theirs.g2, theirs.trace), rel=1e-12), layer
+    assert summaries[-1].noise is None and summaries[2].noise is None and summaries[0].noise is not None
+    assert summaries[-1].noise_local is None and summaries[1].noise_local is not None

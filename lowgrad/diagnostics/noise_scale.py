@@ -66,12 +66,19 @@ def from_contributions(contributions: NDArray[np.float64], summed: int, b_small:
     their accumulation (the module's units): ``summed`` contributions add up to S along the
     micro-steps (the n above when nothing else averages; ranks whose contributions are averaged
     count in ``b_big`` only). None when there is one small batch per big one (nothing to compare)."""
-    if contributions.size == 0:
+    return group_estimates(contributions.reshape(-1, 1), summed, b_small, np.array([total], np.float64), b_big)[0]
+
+
+def group_estimates(contributions: NDArray[np.float64], summed: int, b_small: int,
+                    totals: NDArray[np.float64], b_big: int) -> list[NoiseScale | None]:
+    """:func:`from_contributions` of G groups at once (the layers of a step): column g of
+    ``contributions`` [n, G] and ``totals[g]`` are group g's; one mean over the columns."""
+    if contributions.shape[0] == 0:
         raise ValueError("no contributions to estimate from")
-    if contributions.size == 1:
-        return None
-    small = float(summed) ** 2 * float(np.mean(contributions))
-    return estimate(small, b_small, total, b_big)
+    if contributions.shape[0] == 1:
+        return [None] * contributions.shape[1]
+    small = float(summed) ** 2 * contributions.mean(axis=0)
+    return [estimate(s, b_small, t, b_big) for s, t in zip(small.tolist(), totals.tolist())]
 
 
 class NoiseScaleEMA:

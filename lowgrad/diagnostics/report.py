@@ -29,13 +29,15 @@ to the step's (``step_batch = micro_steps * micro_batch``) and so do the local o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from lowgrad.core.integers import integer
-from lowgrad.diagnostics.noise_scale import NoiseScale, from_contributions
+from lowgrad.diagnostics.noise_scale import NoiseScale, group_estimates
 from lowgrad.diagnostics.nonfinite import NonFiniteReport, first_nonfinite
 
 
@@ -63,6 +65,13 @@ class Stats:
             raise ValueError("an entry not measured (nonfinite -1) has NaN sumsq and maxabs")
         if not np.isfinite(self.maxabs[measured]).all() or (self.maxabs[measured] < 0).any():
             raise ValueError("Stats.maxabs is the largest |x| of the finite values: finite and not negative")
+
+    @classmethod
+    def _trusted(cls, sumsq: NDArray[np.float64], nonfinite: NDArray[np.int64], maxabs: NDArray[np.float64]) -> Stats:
+        """Without the checks: for arrays that their maker built to fit (a manager's rows)."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(sumsq=sumsq, nonfinite=nonfinite, maxabs=maxabs)
+        return obj
 
     def measured(self, lead: int) -> NDArray[np.bool_]:
         """Per column (the last axis): measured in every entry of the ``lead`` leading axes."""
@@ -159,6 +168,15 @@ class StepStats:
                 raise ValueError(f"step_batch {self.step_batch} is not world {W} x {self.local.sumsq.shape[1]} "
                                  f"local column(s) x local_batch {self.local_batch}")
 
+    @classmethod
+    def _trusted(cls, **values: Any) -> StepStats:
+        """Without the checks: for fields that their maker built to fit (a manager's rows; names
+        and layers as tuples). Its checks would cost more than everything read from it after."""
+        assert values.keys() == _STEP_FIELDS, "every field, by name"
+        obj = object.__new__(cls)
+        obj.__dict__.update(values)
+        return obj
+
     @staticmethod
     def _check(what: str, stats: object, shapes: set[tuple[int, ...]]) -> None:
         if not isinstance(stats, Stats):
@@ -180,12 +198,12 @@ class StepStats:
 
     def layer_summaries(self) -> dict[int, Summary]:
         """Each layer's summary (-1: the non-block tensors), in layout order."""
-        starts = [0] + [t for t in range(1, len(self.layers)) if self.layers[t] != self.layers[t - 1]]
-        return {self.layers[s]: self._summary(s, e) for s, e in zip(starts, starts[1:] + [len(self.layers)])}
+        starts = self._layer_starts
+        return dict(zip((self.layers[s] for s in starts), self._summaries(starts)))
 
     def summary(self) -> Summary:
         """The whole model's summary."""
-        return self._summary(0, len(self.names))
+        return self._summaries(np.zeros(1, np.intp))[0]
 
     def first_nonfinite(self) -> NonFiniteReport | None:
         """Where the step first went non-finite (:mod:`lowgrad.diagnostics.nonfinite`), or None."""
@@ -193,21 +211,47 @@ class StepStats:
                                None if self.local is None else self.local.nonfinite,
                                None if self.micro is None else self.micro.nonfinite, self.accumulated.nonfinite)
 
-    def _summary(self, start: int, end: int) -> Summary:
-        """The tensors ``start:end`` as one group."""
+    @cached_property
+    def _layer_starts(self) -> NDArray[np.intp]:
+        """The first column of each layer (layers are in layout order)."""
+        return np.flatnonzero(np.diff(self.layers, prepend=self.layers[0] - 1))
+
+    def _summaries(self, starts: NDArray[np.intp]) -> list[Summary]:
+        """The groups of tensors that begin at ``starts`` (ascending from 0; each ends where the
+        next begins), each as one: sums over a group's columns in one ``reduceat`` per quantity."""
         acc = self.accumulated
-        total = float(acc.sumsq[:, start:end].sum())
-        noise = noise_local = None
-        if self.micro is not None:
-            cols = np.arange(start, end)[self.micro.measured(2)[start:end]]  # the tensors measured per micro-step
-            if cols.size:
-                noise = from_contributions(self.micro.sumsq[..., cols].sum(axis=(0, 2)), self.micro_steps,
-                                           self.micro_batch, float(acc.sumsq[:, cols].sum()), self.step_batch)
-        if self.local is not None:  # each rank's local gradient is its own small batch: no sum over ranks
-            cols = np.arange(start, end)[self.local.measured(2)[start:end]]
-            if cols.size:
-                local = self.local.sumsq[..., cols].sum(axis=2)
-                noise_local = from_contributions(local, local.shape[1], self.local_batch,
-                                                 float(acc.sumsq[:, cols].sum()), self.step_batch)
-        return Summary(float(np.sqrt(total)), int(acc.nonfinite[:, start:end].sum()),
-                       float(acc.maxabs[:, start:end].max()), noise, noise_local)
+        column = acc.sumsq.sum(axis=0)
+        totals = np.add.reduceat(column, starts)
+        nonfinite = np.add.reduceat(acc.nonfinite.sum(axis=0), starts)
+        maxabs = np.maximum.reduceat(acc.maxabs.max(axis=0), starts)
+        # micro: the M micro-steps' contributions summed over ranks (the reduced gradient's shards);
+        # local: each rank's local gradient is its own small batch, no sum over ranks
+        noise = self._noise(self.micro, True, self.micro_steps, self.micro_batch, column, starts)
+        noise_local = self._noise(self.local, False, None, self.local_batch, column, starts)
+        return [Summary(float(np.sqrt(t)), int(n), float(m), a, b)
+                for t, n, m, a, b in zip(totals, nonfinite, maxabs, noise, noise_local)]
+
+    def _noise(self, small: Stats | None, over_ranks: bool, summed: int | None, b_small: int,
+               column: NDArray[np.float64], starts: NDArray[np.intp]) -> list[NoiseScale | None]:
+        """Each group's estimate from the ``small`` batches against the step, over the tensors
+        measured at both batch sizes (None for a group with none of them); ``summed``: the
+        contributions that add up to the step (None: one per column of ``small``)."""
+        if small is None:
+            return [None] * len(starts)
+        cols = np.flatnonzero(small.measured(2))
+        if not cols.size:
+            return [None] * len(starts)
+        # where each group begins among the measured columns; the groups that have any
+        first = np.searchsorted(cols, starts)
+        has = np.diff(first, append=cols.size) > 0
+        at = first[has]
+        parts = small.sumsq[..., cols]  # [W, columns, measured tensors]
+        if over_ranks:
+            parts = parts.sum(axis=0, keepdims=True)
+        contributions = np.add.reduceat(parts, at, axis=2).reshape(-1, at.size)
+        n = small.sumsq.shape[1] if summed is None else summed
+        estimates = iter(group_estimates(contributions, n, b_small, np.add.reduceat(column[cols], at),
+                                         self.step_batch))
+        return [next(estimates) if h else None for h in has.tolist()]
+
+_STEP_FIELDS = frozenset(f.name for f in fields(StepStats))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 from lowgrad import ops
@@ -55,7 +56,7 @@ from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
 from lowgrad.managers.state import ManagerState
-from lowgrad.managers.stats import FIELDS, StatsRows
+from lowgrad.managers.stats import FIELDS, HostRows, StatsReading, StatsRows
 from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
@@ -127,6 +128,7 @@ class GradientManager(ABC):
         self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
         self._step_sink: StatsSink | None = None
         self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
+        self._host_rows: HostRows | None = None  # read_stats' pinned copy of the gathered rows
         self._alloc_non_block()
         self._alloc_blocks()
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
@@ -176,6 +178,7 @@ class GradientManager(ABC):
         self._protocol.start(micro_step, total_micro_steps)
         if self._stats is not None and micro_step == 0:
             self._stats_m = total_micro_steps
+            self._after_host_copy(stream)
             ops.fill_nan(self._stats, stream)  # NaN: not measured (yet) in this step
         self._join(stream)
         if micro_step > 0:  # on the stream whose SR kernels read it next
@@ -478,6 +481,8 @@ class GradientManager(ABC):
         shape = (rows.rows, rows.columns, len(FIELDS))
         out = self.device.alloc(shape, fp64, name="grad_stats")
         gathered = self.device.alloc((self.world, *shape), fp64, name="grad_stats_gathered") if self.world > 1 else None
+        host = HostRows(self.device.alloc((self.world, *shape), fp64, kind="pinned", name="grad_stats_host"),
+                        self.device.event(name="grad_stats_copied"))
         shards = self.shards()  # block shards layer by layer, then the non-block ones
         columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
         step_sink = ops.stats_sink(out)
@@ -488,14 +493,14 @@ class GradientManager(ABC):
             measure(h)
             write(h)
         # the old rows are dropped, not closed: a graph captured before holds them (its replays are
-        # refused from now on: _replay_check)
-        old = self._stats, self._gathered, self._rows, self._step_pass, self._step_sink
+        # refused from now on: _replay_check), and an unresolved reading its host buffer
+        old = self._stats, self._gathered, self._rows, self._step_pass, self._step_sink, self._host_rows
         self._stats, self._gathered, self._rows = out, gathered, rows
-        self._step_pass, self._step_sink = step_pass, step_sink
+        self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
         try:
             self._bind_stats()
         except BaseException:  # e.g. out of memory for the slots: the manager keeps the rows it had
-            self._stats, self._gathered, self._rows, self._step_pass, self._step_sink = old
+            self._stats, self._gathered, self._rows, self._step_pass, self._step_sink, self._host_rows = old
             self._bind_stats()
             raise
 
@@ -534,33 +539,66 @@ class GradientManager(ABC):
         reuses the tensor: the next call, or the next step, overwrites it. Valid between steps,
         after a completed step (ProtocolError otherwise); ValueError for a manager made without
         ``stats=True``."""
-        h = self._check_call("stats", stream)
+        self._check_stats("stats", stream)
+        return self._gather_stats(stream)
+
+    def read_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StatsReading:
+        """:meth:`stats`, then an asynchronous copy of the rows on ``stream`` into a pinned host
+        buffer the manager owns: a :class:`~lowgrad.managers.stats.StatsReading` whose
+        ``result()`` is the :class:`lowgrad.diagnostics.StepStats` (waiting for the copy only if
+        it has not finished), without a host sync here. ``names``: the column names to report
+        (default ``"<non-block name>"`` and ``"layers.<l>.<block name>"``). Resolve the reading
+        before the next ``read_stats``, which reuses the buffer (ProtocolError from the stale
+        reading's ``result()`` otherwise). The checks of :meth:`stats` and of ``names`` come
+        before anything is queued; not inside a graph capture (CaptureError)."""
+        self._check_stats("read_stats", stream)
+        rows, host = self._rows, self._host_rows
+        assert rows is not None and host is not None, "a completed step allocated the statistics"
+        if names is not None:
+            columns = rows.columns
+            if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
+                    or len(set(names)) != columns:
+                raise ValueError(f"read_stats: names must be {columns} distinct non-empty strings, one per column")
+        capture.forbid("read_stats (a copy to the host)")
+        ops.copy(host.tensor, self._gather_stats(stream), stream)
+        host.event.record(stream)
+        return StatsReading(host, partial(rows.step_stats, micro_steps=self._stats_m, step=self.step - 1,
+                                          rank=self.rank, names=names))
+
+    def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
+        """``read_stats(stream, names).result()``: the statistics on the host at once (a sync of
+        ``stream``'s work up to the copy) as a :class:`lowgrad.diagnostics.StepStats`: per
+        parameter, per layer and global norms, the noise scale, the first non-finite value
+        (``first_nonfinite()``)."""
+        return self.read_stats(stream, names).result()
+
+    def _check_stats(self, what: str, stream: StreamLike) -> None:
+        """The checks of a statistics read, before anything is queued."""
+        self._check_call(what, stream)
         if not self._stats_on:
-            raise ValueError("stats(): the manager was created without stats=True")
-        self._protocol.check_readable("stats", self.step)
+            raise ValueError(f"{what}(): the manager was created without stats=True")
+        self._protocol.check_readable(what, self.step)
+
+    def _gather_stats(self, stream: StreamLike) -> Tensor:
+        """Queue the accumulated gradient's row and the gather on ``stream``: the rows of every rank."""
         out, rows = self._stats, self._rows
         assert out is not None and rows is not None, "a completed step allocated the statistics"
         self._wait(self._comm_done, stream)
+        self._after_host_copy(stream)
         if self._step_pass is not None:
-            self._step_pass(h)
+            self._step_pass(stream_handle(stream))
         if self._gathered is None:
             return out.reshape(1, *out.shape)
         self.comm.all_gather(out, out=self._gathered, stream=stream)
         return self._gathered.reshape(self.world, *out.shape)
 
-    def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
-        """:meth:`stats` read on the host (a sync of ``stream``) as a
-        :class:`lowgrad.diagnostics.StepStats`: per parameter, per layer and global norms, the
-        noise scale, the first non-finite value (``first_nonfinite()``). ``names``: the column
-        names to report (default ``"<non-block name>"`` and ``"layers.<l>.<block name>"``)."""
-        if names is not None and self._rows is not None:  # before the collective and the rows' overwrite
-            columns = self._rows.columns
-            if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
-                    or len(set(names)) != columns:
-                raise ValueError(f"step_stats: names must be {columns} distinct non-empty strings, one per column")
-        host = self.stats(stream).numpy()
-        assert self._rows is not None
-        return self._rows.step_stats(host, self._stats_m, self.step - 1, self.rank, names)
+    def _after_host_copy(self, stream: StreamLike) -> None:
+        """``stream``'s next writes of the rows wait until the last read_stats copied them out (it
+        may have run on another stream). The first write of a step is start_micro_step(0)'s fill:
+        the step's later ones follow it, on its stream or on the communication stream joined to
+        it (a replay waits in :meth:`_replay_before`)."""
+        if self._host_rows is not None:
+            self._wait(self._host_rows.event, stream)
 
     def memory_report(self) -> Any:
         """Bytes by allocation name and kind on this rank's device."""
@@ -590,7 +628,7 @@ class GradientManager(ABC):
         self._closed = True
         for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
             t.close()
-        for t in (self._stats, self._gathered):
+        for t in (self._stats, self._gathered, None if self._host_rows is None else self._host_rows.tensor):
             if t is not None:
                 t.close()
         for sink in (self._sink, self._step_sink):  # what the bound launches allocated for their statistics
@@ -669,6 +707,8 @@ class GradientManager(ABC):
 
     def _replay_before(self, stream: int) -> None:
         self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
+        if self._host_rows is not None:  # a replayed micro-step 0 refills the rows
+            self._host_rows.event.wait(stream)
 
     @staticmethod
     def _replay_launch(stream: int) -> int:

@@ -18,13 +18,21 @@ non-finite count, largest finite |x|)`` (docs/diagnostics.md).
   gradients itself), the micro-step rows of the unsharded strategy and of ``all_to_all`` at
   world > 1 (no kernel sees the reduced gradient there), the rows of micro-steps a step did not
   have, and every local row at world 1.
+
+:meth:`~lowgrad.managers.manager.GradientManager.read_stats` copies the gathered rows into a
+pinned host buffer the manager owns (:class:`HostRows`) and returns a :class:`StatsReading`, which
+builds the :class:`StepStats` when asked, once the copy is done: no host sync of its own.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from lowgrad.core.errors import ClosedError, ProtocolError
+from lowgrad.core.tensor import Tensor
 from lowgrad.diagnostics.report import Stats, StepStats
 from lowgrad.managers.layout import Layout
 
@@ -81,20 +89,81 @@ class StatsRows:
                    names: tuple[str, ...] | None = None) -> StepStats:
         """The :class:`StepStats` of the gathered ``(W, R, T, 3)`` values ``host`` for a step of
         ``micro_steps`` micro-steps (``step``: the step's number; ``names``: other names for the
-        columns, e.g. a module's parameter names). Batch sizes are relative: one micro-batch of
-        one rank is 1."""
+        columns, e.g. a module's parameter names, checked by the caller). Batch sizes are
+        relative: one micro-batch of one rank is 1. The arrays are copies (``host`` may be
+        reused), and fit by construction: built without StepStats' checks."""
         W, C, M = host.shape[0], self.capacity, micro_steps
+        sumsq, maxabs = host[..., 0].copy(), host[..., 2].copy()
+        counts = host[..., 1]
+        nonfinite = np.where(np.isnan(counts), -1, counts).astype(np.int64)
 
-        def stats(rows: np.ndarray) -> Stats:
-            return Stats(rows[..., 0].copy(), np.where(np.isnan(rows[..., 1]), -1, rows[..., 1]).astype(np.int64),
-                         rows[..., 2].copy())
+        def stats(rows: slice | int) -> Stats:
+            return Stats._trusted(sumsq[:, rows], nonfinite[:, rows], maxabs[:, rows])
         local = None
         if W > 1 and self.local == "micro":
-            local = stats(host[:, C:C + M])
+            local = stats(slice(C, C + M))
         elif W > 1 and self.local == "step":
-            local = stats(host[:, C:C + 1])
-        return StepStats(names=self.names if names is None else names, layers=self.layers,
-                         accumulated=stats(host[:, 2 * C]),
-                         micro=stats(host[:, :M]) if self.micro else None, local=local,
-                         micro_batch=W, local_batch=M if self.local == "step" else 1, step_batch=M * W,
-                         step=step, rank=rank, world=W, micro_steps=M)
+            local = stats(slice(C, C + 1))
+        return StepStats._trusted(names=self.names if names is None else tuple(names), layers=self.layers,
+                                  accumulated=stats(2 * C), micro=stats(slice(0, M)) if self.micro else None,
+                                  local=local, micro_batch=W, local_batch=M if self.local == "step" else 1,
+                                  step_batch=M * W, step=step, rank=rank, world=W, micro_steps=M)
+
+class HostRows:
+    """The pinned host buffer ``tensor`` that :meth:`read_stats` copies the gathered rows into,
+    the ``event`` recorded after each copy, and the :class:`StatsReading` whose rows it holds now
+    (``reading``). One buffer per manager: a reading is resolved within its step (before the
+    next ``read_stats``, which comes a whole step later), and its :class:`StepStats` is then the
+    host's own copy; a second buffer would only serve readings left unresolved across a whole
+    step, for twice the pinned memory and an alternation to get wrong."""
+
+    __slots__ = ("tensor", "event", "reading")
+
+    def __init__(self, tensor: Tensor, event: Any) -> None:
+        self.tensor, self.event = tensor, event
+        self.reading: StatsReading | None = None
+
+
+class StatsReading:
+    """One step's statistics on their way to the host (:meth:`GradientManager.read_stats`):
+    :meth:`ready` says whether the copy has finished, :meth:`result` builds the
+    :class:`StepStats` (waiting for the copy if it has not). Resolve it before the manager's next
+    ``read_stats``, which reuses the host buffer: after that, an unresolved reading raises
+    ProtocolError, and after the manager's ``close()`` ClosedError; a resolved one keeps its
+    :class:`StepStats`."""
+
+    __slots__ = ("_host", "_build", "_result")
+
+    def __init__(self, host: HostRows, build: Callable[[np.ndarray], StepStats]) -> None:
+        self._host: HostRows | None = host
+        self._build = build
+        self._result: StepStats | None = None
+        host.reading = self
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting (never blocks)."""
+        if self._result is not None:
+            return True
+        return self._rows("ready").event.query()
+
+    def result(self) -> StepStats:
+        """The step's :class:`StepStats`: waits for the copy if it has not finished, then builds
+        it from the host buffer; later calls return the same object."""
+        if self._result is None:
+            host = self._rows("result")
+            if not host.event.query():
+                host.event.synchronize()
+            self._result = self._build(host.tensor.numpy())
+            self._host = None  # the buffer is the manager's again
+        return self._result
+
+    def _rows(self, what: str) -> HostRows:
+        host = self._host
+        assert host is not None, "an unresolved reading holds its buffer"
+        if host.tensor.closed:
+            raise ClosedError(f"StatsReading.{what}(): the gradient manager was closed before this reading "
+                              "was resolved")
+        if host.reading is not self:
+            raise ProtocolError(f"StatsReading.{what}(): a later read_stats() reused this reading's host buffer; "
+                                "call result() before the next read_stats()")
+        return host
