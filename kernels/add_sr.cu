@@ -6,16 +6,39 @@
 // per SM in __launch_bounds__ (ptxas then schedules with ~80 registers instead of capping at 64).
 enum { ADD_UNROLL = 2, ADD_MIN_BLOCKS = 1 };
 
+// What a watch sees of each group (a's values x, b's values y, before they are added): see() in
+// full; or, in the fast path, before(u, ...) and, once the group is stored, after(u, b) with b's
+// group to read again.
 struct NoWatch {
   __device__ __forceinline__ void see(const float (&)[8], const float (&)[8]) {}
+  __device__ __forceinline__ void before(int, const float (&)[8], const float (&)[8]) {}
+  template <typename B> __device__ __forceinline__ void after(int, const B*) {}
 };
 
-// the gradient statistics of b (and of a, when a.base is set) of one warp's groups (grad_stats.cuh)
-struct StatsWatch {
+// the gradient statistics of b (and of a, when a.base is set) of one warp's groups (grad_stats.cuh).
+// In the fast path b's check for non-finite values waits until the group is stored: a branch on
+// the sum of squares right after it would stall the warp on the multiply-add chain, and a group
+// that needs the rare path reads its b values again (b is not written). a is written in place,
+// so its rare path cannot wait.
+template <int U> struct StatsWatch {
   StatsStream b, a;
+  float t[U], g[U];
   __device__ __forceinline__ void see(const float (&x)[8], const float (&y)[8]) {
     b.acc.add8(y);
     if (a.base) a.acc.add8(x);
+  }
+  __device__ __forceinline__ void before(int u, const float (&x)[8], const float (&y)[8]) {
+    t[u] = StatsAcc::sumsq8(y);
+    g[u] = StatsAcc::maxabs8(y);
+    if (a.base) a.acc.add8(x);
+  }
+  template <typename B> __device__ __forceinline__ void after(int u, const B* p) {
+    if (!finite(t[u])) {
+      float y[8];
+      load8<true>(p, GROUP_ELEMS, y);
+      g[u] = b.acc.rare(y);
+    }
+    b.acc.fold(t[u], g[u]);
   }
 };
 
@@ -56,15 +79,16 @@ template <typename D, typename A, typename B> struct AddSr {
     }
   }
 
-  // Whether run_fast computes this tensor's full aligned groups: SR without a shift, scale 1 (x * 1
-  // is x, NaN included: the add already made it the canonical NaN) and a noise index that is a
-  // multiple of 8 (each group one Philox call).
-  __device__ __forceinline__ bool fast() const { return scale == 1.0f && !rd.rn && !rd.shift && (offset & 7u) == 0; }
+  // Whether run_fast computes this tensor's full aligned groups: SR (with or without a shift),
+  // scale 1 (x * 1 is x, NaN included: the add already made it the canonical NaN) and a noise index
+  // that is a multiple of 8 (each group one Philox call).
+  __device__ __forceinline__ bool fast() const { return scale == 1.0f && !rd.rn && (offset & 7u) == 0; }
 
   // run<U, true>(e, GROUP_ELEMS, w) with fewer instructions per element, same bits: no multiply,
-  // and the NaN test once per group (finite8) instead of once per element. The SR add issues close
-  // to the SM's instruction rate, so each instruction per element costs time.
-  template <int U, typename W> __device__ __forceinline__ void run_fast(const u64 (&e)[U], W& w) const {
+  // the NaN test once per group (finite8) instead of once per element, the shift (SHIFT: rd.shift
+  // is not 0) folded into the noise's adds. The SR add issues close to the SM's instruction rate,
+  // so each instruction per element costs time.
+  template <int U, bool SHIFT, typename W> __device__ __forceinline__ void run_fast(const u64 (&e)[U], W& w) const {
     float x[U][8], y[U][8];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -73,21 +97,27 @@ template <typename D, typename A, typename B> struct AddSr {
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      w.see(x[u], y[u]);
+      w.before(u, x[u], y[u]);
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[u][k] = __fadd_rn(x[u][k], y[u][k]);
       if constexpr (rounds_sr((D*)nullptr)) {
         const uint4 r = sr_words(rd.key, (offset + e[u]) >> 3);
+        const u32 sh = rd.shift;
         if (finite8(x[u]))
           *reinterpret_cast<uint4*>(dst + e[u]) = make_uint4(
-              pack_bf16x2_sr_finite(x[u][0], x[u][1], r.x), pack_bf16x2_sr_finite(x[u][2], x[u][3], r.y),
-              pack_bf16x2_sr_finite(x[u][4], x[u][5], r.z), pack_bf16x2_sr_finite(x[u][6], x[u][7], r.w));
+              pack_bf16x2_sr_finite<SHIFT>(x[u][0], x[u][1], r.x, sh),
+              pack_bf16x2_sr_finite<SHIFT>(x[u][2], x[u][3], r.y, sh),
+              pack_bf16x2_sr_finite<SHIFT>(x[u][4], x[u][5], r.z, sh),
+              pack_bf16x2_sr_finite<SHIFT>(x[u][6], x[u][7], r.w, sh));
         else
-          store8_vec(dst + e[u], x[u], r, 0u);
+          store8_vec(dst + e[u], x[u], SHIFT ? make_uint4(add_halves(r.x, sh), add_halves(r.y, sh), add_halves(r.z, sh),
+                                                          add_halves(r.w, sh)) : r, 0u);
       } else {
         store8_vec(dst + e[u], x[u], make_uint4(0u, 0u, 0u, 0u), 0u);
       }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) w.after(u, b + e[u]);
   }
 };
 
@@ -185,7 +215,7 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   __syncthreads();
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
-  typename Pick<STATS, StatsWatch, NoWatch>::type w{};
+  typename Pick<STATS, StatsWatch<U>, NoWatch>::type w{};
   if constexpr (STATS) {
     const bool with_a = m.counter && m.counter->micro == 1;  // the same in every thread
     w.b.base = m.stats_b;
@@ -206,7 +236,8 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
       u64 e[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) e[u] = GROUP_ELEMS * (g + u * CHUNK_THREADS);
-      if (f.fast()) f.template run_fast<U>(e, w);
+      if (f.fast() && f.rd.shift) f.template run_fast<U, true>(e, w);
+      else if (f.fast()) f.template run_fast<U, false>(e, w);
       else f.template run<U, true>(e, GROUP_ELEMS, w);
     } else {
 #pragma unroll

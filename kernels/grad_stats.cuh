@@ -23,35 +23,45 @@ struct StatsPartial {  // one warp's statistics of one tensor (16 bytes)
   u32 pad;
 };
 
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= __int_as_float(0x7f7fffff); }  // NaN: false
+
 struct StatsAcc {  // one thread's statistics of the current tensor
   float s = 0.0f, m = 0.0f;
   u32 c = 0u;
 
-  // Eight more values (a group's values past its end are 0, which changes nothing). The group's
-  // sum of squares t (fused multiply-adds in element order) and largest |x| g are formed first;
-  // t is finite exactly when every value is finite (short of an overflow of finite squares), so
-  // the non-finite count and the largest *finite* |x| are worked out only for a group whose t is
-  // not: the common group costs two instructions per value. The statistics ride inside the SR
+  // A group of 8 values (past a tensor's end 0, which changes nothing) is taken in two parts: its
+  // sum of squares t (fused multiply-adds in element order) and largest |x| g, then fold(t, g).
+  // t is finite exactly when every value is (short of an overflow of finite squares), so the
+  // non-finite count and the largest *finite* |x| are worked out (rare()) only for a group whose t
+  // is not: the common group costs two instructions per value. The statistics ride inside the SR
   // add, which issues close to the SM's instruction rate.
-  __device__ __forceinline__ void add8(const float (&v)[8]) {
+  static __device__ __forceinline__ float sumsq8(const float (&v)[8]) {
     float t = __fmul_rn(v[0], v[0]);
 #pragma unroll
     for (int k = 1; k < 8; ++k) t = fmaf(v[k], v[k], t);
-    float g;
-    if (fabsf(t) <= __int_as_float(0x7f7fffff)) {
-      g = fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
-                fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
-    } else {
-      g = 0.0f;
+    return t;
+  }
+  static __device__ __forceinline__ float maxabs8(const float (&v)[8]) {
+    return fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
+                 fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
+  }
+  // the largest finite |x| of a group with a non-finite t, counting its non-finite values
+  __device__ __forceinline__ float rare(const float (&v)[8]) {
+    float g = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float a = fabsf(v[k]);
-        if (a <= __int_as_float(0x7f7fffff)) g = fmaxf(g, a);  // NaN compares false
-        else ++c;
-      }
+    for (int k = 0; k < 8; ++k) {
+      if (finite(v[k])) g = fmaxf(g, fabsf(v[k]));
+      else ++c;
     }
+    return g;
+  }
+  __device__ __forceinline__ void fold(float t, float g) {
     s = __fadd_rn(s, t);
     m = fmaxf(m, g);
+  }
+  __device__ __forceinline__ void add8(const float (&v)[8]) {
+    const float t = sumsq8(v);
+    fold(t, finite(t) ? maxabs8(v) : rare(v));
   }
 };
 
@@ -68,8 +78,11 @@ struct StatsStream {
 #pragma unroll
     for (u32 h = 16; h > 0; h >>= 1) {
       s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, h));
-      c += __shfl_down_sync(0xffffffffu, c, h);
       m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, h));
+    }
+    if (__any_sync(0xffffffffu, c != 0u)) {  // non-finite values are rare: their sum is usually skipped
+#pragma unroll
+      for (u32 h = 16; h > 0; h >>= 1) c += __shfl_down_sync(0xffffffffu, c, h);
     }
     if ((threadIdx.x & 31u) == 0)
       base[((u64)done * gridDim.x + blockIdx.x) * STATS_WARPS + (threadIdx.x >> 5)] = StatsPartial{s, c, m, 0u};

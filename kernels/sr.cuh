@@ -169,9 +169,12 @@ __device__ __forceinline__ u32 pack_bf16x2_sr(float lo, float hi, u32 r, u32 rn)
 }
 
 // pack_bf16x2_sr with SR noise (rn 0) for two finite values: no NaN test. Overflow past the
-// largest bf16 still carries into Inf, as in bf16_sr_bits.
-__device__ __forceinline__ u32 pack_bf16x2_sr_finite(float lo, float hi, u32 r) {
-  return top_halves(__float_as_uint(lo) + (r & 0xffffu), __float_as_uint(hi) + (r >> 16));
+// largest bf16 still carries into Inf, as in bf16_sr_bits. SHIFT: the noise halves shifted by s
+// (add_halves(r, s), folded into the adds: r + s's low half, r + (s << 16)'s high half).
+template <bool SHIFT>
+__device__ __forceinline__ u32 pack_bf16x2_sr_finite(float lo, float hi, u32 r, u32 s) {
+  const u32 rlo = SHIFT ? (r + s) & 0xffffu : r & 0xffffu, rhi = SHIFT ? (r + (s << 16)) >> 16 : r >> 16;
+  return top_halves(__float_as_uint(lo) + rlo, __float_as_uint(hi) + rhi);
 }
 
 // Whether the 8 values are finite, by one sum: a NaN or Inf makes it NaN or Inf. A sum that
