@@ -188,7 +188,7 @@ SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 // kernel runs (sr.cuh).
 // The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
 // (lowgrad/cuda/kernels.py reads these constants here).
-// add_sr_multi_stats_* also writes each warp's statistics of each tensor's b (the gradient it
+// add_sr_multi_stats_* also writes each block's statistics of each tensor's b (the gradient it
 // consumes) to its slot of stats_b, and at micro-step 1 of the counter those of a (the shard, which
 // then holds micro-step 0's gradient) to stats_a (grad_stats.cuh; grad_stats_finish turns the slots
 // into per-tensor values). Its threads take a chunk's elements as grad_stats' do.
@@ -216,10 +216,13 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
   typename Pick<STATS, StatsWatch<U>, NoWatch>::type w{};
+  __shared__ StatsPartial warps[STATS ? 2 * MULTI_MAX * STATS_WARPS : 1];
   if constexpr (STATS) {
     const bool with_a = m.counter && m.counter->micro == 1;  // the same in every thread
     w.b.base = m.stats_b;
+    w.b.warps = warps;
     w.a.base = with_a ? m.stats_a : nullptr;
+    w.a.warps = warps + MULTI_MAX * STATS_WARPS;
   }
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
@@ -255,6 +258,9 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   if constexpr (STATS) {
     w.b.advance(m.count);
     w.a.advance(m.count);
+    __syncthreads();
+    w.b.flush(m.count);
+    w.a.flush(m.count);
   }
 }
 

@@ -3,7 +3,7 @@
 //
 // grad_stats_f32 / grad_stats_bf16: a persistent grid strides over chunks of STATS_CHUNK
 // elements of up to STATS_MAX tensors; tensor t owns chunks [first[t], first[t + 1]); thread i of
-// a chunk takes the groups of 8 at 8 * (i + u * STATS_THREADS), u < STATS_UNROLL. Each warp's
+// a chunk takes the groups of 8 at 8 * (i + u * STATS_THREADS), u < STATS_UNROLL. Each block's
 // statistics of each tensor go to its StatsPartial slot of the launch (grad_stats.cuh).
 // grad_stats_finish: block j turns job j of its table (one tensor's slots of one launch) into
 // three doubles {sumsq, nonfinite, maxabs} at out + 3 * (row * row_stride + column), summing the
@@ -24,7 +24,8 @@ struct GradStats {  // passed by value (__grid_constant__)
 
 template <typename T> __device__ __forceinline__ void grad_stats(const GradStats& m) {
   const u32 total = m.first[m.count];
-  StatsStream st{m.partials, 0u, StatsAcc{}};
+  __shared__ StatsPartial warps[STATS_MAX * STATS_WARPS];
+  StatsStream st{m.partials, warps, 0u, StatsAcc{}};
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
@@ -45,6 +46,8 @@ template <typename T> __device__ __forceinline__ void grad_stats(const GradStats
     }
   }
   st.advance(m.count);
+  __syncthreads();
+  st.flush(m.count);
 }
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_f32(const __grid_constant__ GradStats m) {

@@ -3,11 +3,12 @@
 //
 // Each thread sums its elements' squares in float32, a group of 8 at a time (StatsAcc::add8) in the
 // order it visits them; each warp keeps its lanes' values for the tensor in hand and, when the block
-// moves on to the next tensor of the launch, combines them by a fixed tree (lanes i and i + h for h = 16 .. 1) into one StatsPartial
-// slot: slot (t * gridDim.x + block) * STATS_WARPS + warp of the launch's partials. No shared
-// memory, no barrier: the accumulation kernel keeps streaming. Every warp writes one slot for every
-// tensor of its launch (zeros for a tensor its block never reached), so tensor t's statistics are
-// the gridDim.x * STATS_WARPS consecutive slots from t * gridDim.x * STATS_WARPS, which
+// moves on to the next tensor of the launch, combines them by a fixed tree (lanes i and i + h for
+// h = 16 .. 1) into its entry of the block's shared table (StatsStream). No barrier while the
+// accumulation kernel streams: one at its end, after which thread t adds tensor t's warp entries in
+// warp order into one StatsPartial slot, t * gridDim.x + block, of the launch's partials. Every
+// block writes a slot for every tensor of its launch (zeros for a tensor it never reached), so
+// tensor t's statistics are the gridDim.x consecutive slots from t * gridDim.x, which
 // grad_stats_finish sums in a fixed order. The order of every addition is fixed by the launch
 // shape, which is the same from run to run on a GPU (the persistent grid is the resident one).
 #pragma once
@@ -16,7 +17,7 @@
 enum : u32 { STATS_THREADS = 256, STATS_UNROLL = 2, STATS_WARPS = STATS_THREADS / 32,
              STATS_CHUNK = STATS_THREADS * STATS_UNROLL * GROUP_ELEMS };
 
-struct StatsPartial {  // one warp's statistics of one tensor (16 bytes)
+struct StatsPartial {  // one warp's or block's statistics of one tensor (16 bytes)
   float sumsq;
   u32 nonfinite;
   float maxabs;
@@ -65,10 +66,12 @@ struct StatsAcc {  // one thread's statistics of the current tensor
   }
 };
 
-// One warp's statistics over the tensors of a launch, in order: slots [0, done) are written, acc
-// holds tensor done's. Every lane calls advance() and finish() with the same arguments.
+// One block's statistics over the tensors of a launch, in order: each warp's entries [0, done) of
+// `warps` (STATS_WARPS per tensor, in shared memory) are written, acc holds tensor done's. Every
+// thread calls advance() with the same arguments, then after one __syncthreads() flush().
 struct StatsStream {
-  StatsPartial* base;  // the launch's partials; null: no statistics
+  StatsPartial* base;   // the launch's slots; null: no statistics
+  StatsPartial* warps;  // the block's shared table: [tensors of the launch][STATS_WARPS]
   u32 done;
   StatsAcc acc;
 
@@ -84,15 +87,29 @@ struct StatsStream {
 #pragma unroll
       for (u32 h = 16; h > 0; h >>= 1) c += __shfl_down_sync(0xffffffffu, c, h);
     }
-    if ((threadIdx.x & 31u) == 0)
-      base[((u64)done * gridDim.x + blockIdx.x) * STATS_WARPS + (threadIdx.x >> 5)] = StatsPartial{s, c, m, 0u};
+    if ((threadIdx.x & 31u) == 0) warps[done * STATS_WARPS + (threadIdx.x >> 5)] = StatsPartial{s, c, m, 0u};
     acc = StatsAcc{};
     ++done;
   }
 
-  // the block now works on tensor t: the slots of the tensors before it are written
+  // the block now works on tensor t: the entries of the tensors before it are written
   __device__ __forceinline__ void advance(u32 t) {
     if (base)
       while (done < t) write();
+  }
+
+  // after advance(count) and a barrier: thread t < count writes tensor t's slot
+  __device__ __forceinline__ void flush(u32 count) const {
+    if (!base || threadIdx.x >= count) return;
+    float s = 0.0f, m = 0.0f;
+    u32 c = 0u;
+#pragma unroll
+    for (u32 w = 0; w < STATS_WARPS; ++w) {
+      const StatsPartial q = warps[threadIdx.x * STATS_WARPS + w];
+      s = __fadd_rn(s, q.sumsq);
+      c += q.nonfinite;
+      m = fmaxf(m, q.maxabs);
+    }
+    base[(u64)threadIdx.x * gridDim.x + blockIdx.x] = StatsPartial{s, c, m, 0u};
   }
 };

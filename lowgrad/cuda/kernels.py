@@ -143,7 +143,6 @@ class CudaKernels(Kernels):
         self.group_elems, self.multi_max, self.multi_chunk = c["GROUP_ELEMS"], c["MULTI_MAX"], c["CHUNK_ELEMS"]
         s = constants("grad_stats")  # the statistics' chunks are add_sr_multi's (a static_assert in add_sr.cu)
         assert (s["STATS_MAX"], s["STATS_CHUNK"]) == (self.multi_max, self.multi_chunk)
-        self.stats_warps = s["STATS_WARPS"]
         self.slot_bytes = _struct_dtype("StatsPartial").itemsize
         self.job_dtype = _struct_dtype("StatsJob")
         self._fill, self._copy, self._philox, self._seed_counter = (
@@ -239,7 +238,7 @@ class CudaKernels(Kernels):
         of ``a``'s dtype) in launches of up to ``MULTI_MAX`` tensors, everything packed here, once.
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
         read on the device when the kernel runs). With ``stats``, ``add_sr_multi_stats_*`` writes
-        each warp's statistics of b (and at micro-step 1 of a) to slots made here, registered in
+        each block's statistics of b (and at micro-step 1 of a) to slots made here, registered in
         the sink as jobs for its finish. The grid is the resident one; ``blocks`` overrides it
         (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
         stem = "add_sr_multi" if stats is None else "add_sr_multi_stats"
@@ -285,9 +284,9 @@ class CudaKernels(Kernels):
 
     def _stats_jobs(self, sink: StatsSink, count: int, grid: int, columns: list[int], row0: int,
                     add_micro: bool, lo: int, hi: int) -> Tensor:
-        """The statistics slots of a launch of ``count`` tensors on ``grid`` blocks (every warp one
+        """The statistics slots of a launch of ``count`` tensors on ``grid`` blocks (every block one
         slot per tensor, kernels/grad_stats.cuh), and one job per tensor in the sink."""
-        per = grid * self.stats_warps
+        per = grid
         slots = self.device.alloc(max(count * per, 1) * self.slot_bytes, byte, name="grad_stats_slots")
         sink.owned.append(slots)
         for t, column in enumerate(columns):
@@ -298,7 +297,7 @@ class CudaKernels(Kernels):
     def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
                         per_micro: bool) -> Callable[[int], None]:
         """``f(stream)``: ``grad_stats_<dtype>`` over up to ``STATS_MAX`` tensors a launch (a
-        persistent grid over their chunks), each warp's statistics into slots registered in the
+        persistent grid over their chunks), each block's statistics into slots registered in the
         sink; everything packed here."""
         spec = kernel_for("grad_stats", tensors[0].dtype)
         func = self.kernel(spec).func
