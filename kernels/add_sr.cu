@@ -62,14 +62,20 @@ template <typename D, typename A, typename B> struct AddSr {
     run<U, VEC>(e, count, w);
   }
 
-  // w sees each group's a and b values (as float) before they are added, in element order
-  template <int U, bool VEC, typename W> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count, W& w) const {
-    float x[U][8], y[U][8];
+  // a's and b's values of the U groups, every load issued before any is used
+  template <int U, bool VEC> __device__ __forceinline__ void load(const u64 (&e)[U], u32 count, float (&x)[U][8],
+                                                                  float (&y)[U][8]) const {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       load8<VEC>(a + e[u], count, x[u]);
       load8<VEC>(b + e[u], count, y[u]);
     }
+  }
+
+  // w sees each group's a and b values (as float) before they are added, in element order
+  template <int U, bool VEC, typename W> __device__ __forceinline__ void run(const u64 (&e)[U], u32 count, W& w) const {
+    float x[U][8], y[U][8];
+    load<U, VEC>(e, count, x, y);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       w.see(x[u], y[u]);
@@ -90,11 +96,7 @@ template <typename D, typename A, typename B> struct AddSr {
   // so each instruction per element costs time.
   template <int U, bool SHIFT, typename W> __device__ __forceinline__ void run_fast(const u64 (&e)[U], W& w) const {
     float x[U][8], y[U][8];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      load8<true>(a + e[u], GROUP_ELEMS, x[u]);
-      load8<true>(b + e[u], GROUP_ELEMS, y[u]);
-    }
+    load<U, true>(e, GROUP_ELEMS, x, y);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       w.before(u, x[u], y[u]);
