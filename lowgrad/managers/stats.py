@@ -109,6 +109,7 @@ class StatsRows:
                                   local=local, micro_batch=W, local_batch=M if self.local == "step" else 1,
                                   step_batch=M * W, step=step, rank=rank, world=W, micro_steps=M)
 
+
 class HostRows:
     """The pinned host buffer ``tensor`` that :meth:`read_stats` copies the gathered rows into,
     the ``event`` recorded after each copy, and the :class:`StatsReading` whose rows it holds now
