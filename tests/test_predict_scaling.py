@@ -139,7 +139,9 @@ def test_cited_constants_move_the_prediction(measured: Any) -> None:
     assert _predict(measured, slow, "all_to_all")["exchange_ms"] == pytest.approx(a2a0["exchange_ms"] + 7 * 0.010)
     weak = replace(base, mfu=base.mfu / 2)  # a slower engine: longer backward, more of the manager hidden
     rs_weak = _predict(measured, weak, "scatter_reduce")
-    assert rs_weak["backward_ms"] == pytest.approx(2 * rs0["backward_ms"]) and rs_weak["hidden"] >= rs0["hidden"]
+    # not less hidden (equal where the measured inputs leave the hidden share at its bound: equal up to rounding)
+    assert rs_weak["backward_ms"] == pytest.approx(2 * rs0["backward_ms"])
+    assert rs_weak["hidden"] >= rs0["hidden"] - 1e-12
     few = replace(base, tokens=256)  # too few tokens: the exchange no longer hides
     assert _predict(measured, few, "scatter_reduce")["exposed_ms"] > rs0["exposed_ms"]
     off0 = _predict(measured, base, "scatter_reduce", offload=True)
