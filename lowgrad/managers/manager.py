@@ -536,9 +536,11 @@ class GradientManager(ABC):
         finite |x|; per micro-step, per rank's local gradient, and of the accumulated gradient).
         Computes the accumulated gradient's row and gathers every rank's rows on ``stream``
         without blocking the host; a collective at world > 1 (every rank calls it). The manager
-        reuses the tensor: the next call, or the next step, overwrites it. Valid between steps,
-        after a completed step (ProtocolError otherwise); ValueError for a manager made without
-        ``stats=True``."""
+        reuses the tensor: the next call, or the next step, overwrites it, ordered after
+        ``stream``'s work only when the next step runs on ``stream`` too (a read of the tensor on
+        another stream is the caller's to order; :meth:`read_stats` orders its copy itself).
+        Valid between steps, after a completed step (ProtocolError otherwise); ValueError for a
+        manager made without ``stats=True``."""
         self._check_stats("stats", stream)
         return self._gather_stats(stream)
 
