@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -39,6 +39,16 @@ from numpy.typing import NDArray
 from lowgrad.core.integers import integer
 from lowgrad.diagnostics.noise_scale import NoiseScale, group_estimates
 from lowgrad.diagnostics.nonfinite import NonFiniteReport, first_nonfinite
+
+_T = TypeVar("_T")
+
+
+def _unchecked(cls: type[_T], values: dict[str, Any]) -> _T:
+    """An instance of the frozen dataclass ``cls`` with ``values`` as its fields, without
+    ``__post_init__``'s checks (its constructor would run them)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,7 @@ class Stats:
     @classmethod
     def _trusted(cls, sumsq: NDArray[np.float64], nonfinite: NDArray[np.int64], maxabs: NDArray[np.float64]) -> Stats:
         """Without the checks: for arrays that their maker built to fit (a manager's rows)."""
-        obj = object.__new__(cls)
-        obj.__dict__.update(sumsq=sumsq, nonfinite=nonfinite, maxabs=maxabs)
-        return obj
+        return _unchecked(cls, {"sumsq": sumsq, "nonfinite": nonfinite, "maxabs": maxabs})
 
     def measured(self, lead: int) -> NDArray[np.bool_]:
         """Per column (the last axis): measured in every entry of the ``lead`` leading axes."""
@@ -173,9 +181,7 @@ class StepStats:
         """Without the checks: for fields that their maker built to fit (a manager's rows; names
         and layers as tuples). Its checks would cost more than everything read from it after."""
         assert values.keys() == _STEP_FIELDS, "every field, by name"
-        obj = object.__new__(cls)
-        obj.__dict__.update(values)
-        return obj
+        return _unchecked(cls, values)
 
     @staticmethod
     def _check(what: str, stats: object, shapes: set[tuple[int, ...]]) -> None:
@@ -253,5 +259,6 @@ class StepStats:
         estimates = iter(group_estimates(contributions, n, b_small, np.add.reduceat(column[cols], at),
                                          self.step_batch))
         return [next(estimates) if h else None for h in has.tolist()]
+
 
 _STEP_FIELDS = frozenset(f.name for f in fields(StepStats))
