@@ -191,9 +191,11 @@ SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 // The host packs MultiAddSr by field name and splits tensors into chunks of CHUNK_ELEMS elements
 // (lowgrad/cuda/kernels.py reads these constants here).
 // add_sr_multi_stats_* also writes each block's statistics of each tensor's b (the gradient it
-// consumes) to its slot of stats_b, and at micro-step 1 of the counter those of a (the shard, which
-// then holds micro-step 0's gradient) to stats_a (grad_stats.cuh; grad_stats_finish turns the slots
-// into per-tensor values). Its threads take a chunk's elements as grad_stats' do.
+// consumes) at micro-step m >= 1 of the counter to its slot of set m of `stats`, and at micro-step
+// 1 those of a (the shard, which then holds micro-step 0's gradient) to set 0: set m holds row m's
+// (grad_stats.cuh; grad_stats_finish turns the slots into per-tensor values once the step is
+// complete). A micro-step >= sets measures nothing. Its threads take a chunk's elements as
+// grad_stats' do.
 enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256, CHUNK_ELEMS = CHUNK_THREADS * ADD_UNROLL * GROUP_ELEMS };
 static_assert(CHUNK_THREADS == STATS_THREADS && ADD_UNROLL == STATS_UNROLL, "a chunk is a grad_stats chunk");
 
@@ -204,8 +206,8 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 880 bytes of kernel
   float scale;
   const SeedCounter* counter;  // null: seed[t] is the seed
   u32 layer;
-  StatsPartial* stats_b;  // add_sr_multi_stats_*: the slots of b's statistics (and of a's)
-  StatsPartial* stats_a;
+  StatsPartial* stats;  // add_sr_multi_stats_*: sets x count x gridDim.x slots
+  u32 sets;
 };
 
 template <typename D, typename A, typename B, bool STATS>
@@ -220,10 +222,10 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   typename Pick<STATS, StatsWatch<U>, NoWatch>::type w{};
   __shared__ StatsPartial warps[STATS ? 2 * MULTI_MAX * STATS_WARPS : 1];
   if constexpr (STATS) {
-    const bool with_a = m.counter && m.counter->micro == 1;  // the same in every thread
-    w.b.base = m.stats_b;
+    const u32 micro = m.counter->micro;  // the same in every thread
+    w.b.base = micro - 1u < m.sets - 1u ? m.stats + (u64)micro * m.count * gridDim.x : nullptr;
     w.b.warps = warps;
-    w.a.base = with_a ? m.stats_a : nullptr;
+    w.a.base = micro == 1u ? m.stats : nullptr;
     w.a.warps = warps + MULTI_MAX * STATS_WARPS;
   }
   u32 t = 0;

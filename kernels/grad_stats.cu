@@ -4,13 +4,15 @@
 // grad_stats_f32 / grad_stats_bf16: a persistent grid strides over chunks of STATS_CHUNK
 // elements of up to STATS_MAX tensors; tensor t owns chunks [first[t], first[t + 1]); thread i of
 // a chunk takes the groups of 8 at 8 * (i + u * STATS_THREADS), u < STATS_UNROLL. Each block's
-// statistics of each tensor go to its StatsPartial slot of the launch (grad_stats.cuh).
-// grad_stats_finish: block j turns job j of its table (one tensor's slots of one launch) into
-// three doubles {sumsq, nonfinite, maxabs} at out + 3 * (row * row_stride + column), summing the
-// slots in float64 (thread k takes slots k, k + STATS_THREADS, ... in order, then a fixed tree).
-// The row is the job's row0, plus the seed counter's micro-step with add_micro, so a replayed graph
-// writes the row of the micro-step it runs as; a job runs only at micro-steps [lo, hi] of the
-// counter, and a row >= rows is not written.
+// statistics of each tensor go to its StatsPartial slot of the launch (grad_stats.cuh): of slot set
+// `counter->micro` with a counter (one set per micro-step: a launch at a micro-step >= sets
+// measures nothing), of set 0 without.
+// grad_stats_finish: block j turns job j of its table (one tensor's slots of one set of one
+// launch) into three doubles {sumsq, nonfinite, maxabs} at out + 3 * (row * row_stride + column),
+// summing the slots in float64 (thread k takes slots k, k + STATS_THREADS, ... in order, then a
+// fixed tree). It runs once a step is complete: a job whose set is written at micro-step `micro`
+// is finished only when the counter's last completed step had that micro-step (micro < done), so
+// a set left over from an earlier, longer step is never read.
 #include "grad_stats.cuh"
 
 enum : u32 { STATS_MAX = 16 };
@@ -19,13 +21,17 @@ struct GradStats {  // passed by value (__grid_constant__)
   u64 x[STATS_MAX], n[STATS_MAX];
   u32 first[STATS_MAX + 1];
   u32 count;
-  StatsPartial* partials;
+  StatsPartial* partials;      // sets x count x gridDim.x slots
+  const SeedCounter* counter;  // null: set 0
+  u32 sets;
 };
 
 template <typename T> __device__ __forceinline__ void grad_stats(const GradStats& m) {
+  const u32 set = m.counter ? m.counter->micro : 0u;  // the same in every block
+  if (set >= m.sets) return;
   const u32 total = m.first[m.count];
   __shared__ StatsPartial warps[STATS_MAX * STATS_WARPS];
-  StatsStream st{m.partials, warps, 0u, StatsAcc{}};
+  StatsStream st{m.partials + (u64)set * m.count * gridDim.x, warps, 0u, StatsAcc{}};
   u32 t = 0;
   for (u32 c = blockIdx.x; c < total; c += gridDim.x) {
     while (c >= m.first[t + 1]) ++t;
@@ -58,18 +64,17 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) grad_stats_bf16(cons
   grad_stats<bf16_t>(m);
 }
 
-struct StatsJob {  // one tensor's statistics from one launch (a table in device memory)
+struct StatsJob {  // one tensor's statistics of one slot set of one launch (a table in device memory)
   u64 partials;    // its first slot
-  u32 slots, column, row0, add_micro, lo, hi;
+  u32 slots, column, row, micro;  // micro: the micro-step at which the launch writes the set
 };
 
 extern "C" __global__ void __launch_bounds__(STATS_THREADS)
-grad_stats_finish(const StatsJob* __restrict__ jobs, u32 count, double* __restrict__ out, u32 rows, u32 row_stride,
+grad_stats_finish(const StatsJob* __restrict__ jobs, u32 count, double* __restrict__ out, u32 row_stride,
                   const SeedCounter* __restrict__ counter) {
   if (blockIdx.x >= count) return;
   const StatsJob job = jobs[blockIdx.x];
-  const u32 micro = counter ? counter->micro : 0u;
-  if (micro < job.lo || micro > job.hi) return;
+  if (counter && job.micro >= counter->done) return;
   const StatsPartial* p = (const StatsPartial*)job.partials;
   double s = 0.0, c = 0.0, mx = 0.0;
   for (u32 k = threadIdx.x; k < job.slots; k += STATS_THREADS) {
@@ -91,9 +96,8 @@ grad_stats_finish(const StatsJob* __restrict__ jobs, u32 count, double* __restri
     }
     __syncthreads();
   }
-  const u32 row = job.row0 + (job.add_micro ? micro : 0u);
-  if (threadIdx.x == 0 && row < rows) {
-    double* o = out + 3 * ((u64)row * row_stride + job.column);
+  if (threadIdx.x == 0) {
+    double* o = out + 3 * ((u64)job.row * row_stride + job.column);
     o[0] = sh[0][0];
     o[1] = sh[1][0];
     o[2] = sh[2][0];

@@ -48,7 +48,8 @@ __device__ __forceinline__ Rounding seed_rounding(u64 seed) { return Rounding{sr
 enum : u32 { ROUND_SR = 0, ROUND_LDSR = 1, ROUND_RN = 2, LD_STEP = 40503 };  // 40503 = round(0.618... * 2^16)
 struct SeedCounter {
   u64 base;
-  u32 step, micro, mode, pad;
+  u32 step, micro, mode;
+  u32 done;  // the micro-steps of the last completed step (0 before one): grad_stats_finish reads it
 };
 
 __device__ __forceinline__ Rounding counter_rounding(const SeedCounter* c, u32 layer, u32 lane) {

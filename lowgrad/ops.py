@@ -191,9 +191,10 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
 
     ``stats=(sink, columns)`` (:func:`stats_sink`; seeds from the sink's counter): the same
     launches measure each item's ``b`` as :func:`bind_grad_stats` does, for row ``m`` of the
-    sink's ``out`` (the counter's micro-step when the work runs, from micro-step 1) at column
-    ``columns[i]``, and at micro-step 1 its ``a`` before the add for row 0 (a shard that
-    accumulates then holds micro-step 0's gradient); the sink's finish writes the rows."""
+    sink's ``out`` (the counter's micro-step when the work runs, from micro-step 1, below the
+    sink's ``micro_steps`` and ``rows``) at column ``columns[i]``, and at micro-step 1 its ``a``
+    before the add for row 0 (a shard that accumulates then holds micro-step 0's gradient); the
+    sink's finish writes the rows."""
     if not items:
         raise ValueError("bind_add_sr_multi needs at least one (dst, a, b, index_offset)")
     if stats is not None:
@@ -215,13 +216,16 @@ def bind_add_sr_multi(items: list[tuple[Tensor, Tensor, Tensor, int]], seeds: An
     return d0.device.kernels.bind_add_sr_multi(list(items), check_scale(scale), seeds, target)
 
 
-def stats_sink(out: Tensor, counter: SeedCounter | None = None) -> StatsSink:
+def stats_sink(out: Tensor, counter: SeedCounter | None = None, micro_steps: int | None = None) -> StatsSink:
     """Where launches bound with statistics put them: ``out``, a float64 tensor of shape ``(rows,
     columns, 3)`` in memory the kernels can write, whose (row, column) entries take a tensor's
     ``(sum of squares, non-finite count, largest finite |x|)``; ``counter``, the
-    :class:`SeedCounter` whose micro-step picks the rows that follow it. Bind the launches
+    :class:`SeedCounter` whose micro-step picks the rows that follow it; ``micro_steps``, the
+    most micro-steps a step has (default ``rows``): the launches keep what they measure at each
+    micro-step below it until the step ends, in memory that grows with it. Bind the launches
     (:func:`bind_add_sr_multi` with ``stats=``, :func:`bind_grad_stats`), then
-    :func:`bind_stats_finish`, whose launch writes what they measured."""
+    :func:`bind_stats_finish`, whose launch writes what they measured once the counter's step is
+    complete (after its ``next_step``)."""
     _tensor(out, "out")
     if out.dtype is not fp64 or out.ndim != 3 or out.shape[2] != 3:
         raise TypeError(f"stats_sink: out {out.name!r} must be fp64 of shape (rows, columns, 3), got "
@@ -229,7 +233,10 @@ def stats_sink(out: Tensor, counter: SeedCounter | None = None) -> StatsSink:
     _kernel_memory(out.device, (out, "out"))
     if counter is not None and (not isinstance(counter, SeedCounter) or counter.device is not out.device):
         raise TypeError(f"stats_sink: counter must be a SeedCounter of {out.device!r}, got {counter!r}")
-    return StatsSink(out, counter)
+    m = out.shape[0] if micro_steps is None else integer("micro_steps", micro_steps)
+    if m < 1:
+        raise ValueError(f"stats_sink: micro_steps must be at least 1, got {m}")
+    return StatsSink(out, counter, m)
 
 
 def _check_columns(sink: StatsSink, columns: Any, count: int, device: Any, what: str) -> list[int]:
@@ -251,8 +258,9 @@ def bind_grad_stats(tensors: list[Tensor], sink: StatsSink, columns: list[int], 
     """The gradient statistics of ``tensors`` (fp32 or bf16, one dtype, one device) checked and
     packed once: the returned ``f(stream)`` measures ``(sum of squares, non-finite count, largest
     finite |x|)`` of ``tensors[i]`` on ``stream`` (an int handle) for row ``row`` (plus the
-    sink counter's micro-step when the work runs, with ``per_micro``; a row past the end is not
-    written), column ``columns[i]`` of the sink's ``out``; the sink's finish
+    sink counter's micro-step when the work runs, with ``per_micro``: a micro-step at or past the
+    sink's ``micro_steps``, or whose row is past the end, is not measured), column
+    ``columns[i]`` of the sink's ``out``; the sink's finish
     (:func:`bind_stats_finish`) writes the rows. The values are
     :func:`lowgrad.sr.reference.grad_stats`' (the device sums in an order fixed by its launch
     shape: the same bits from run to run, the sum of squares within a relative 1e-5 of the
@@ -281,7 +289,10 @@ def bind_grad_stats(tensors: list[Tensor], sink: StatsSink, columns: list[int], 
 
 def bind_stats_finish(sink: StatsSink) -> Callable[[int], None]:
     """The launch that writes the rows of every launch bound into ``sink`` so far: the returned
-    ``f(stream)`` queues it on ``stream`` (an int handle), after those launches on their stream."""
+    ``f(stream)`` queues it on ``stream`` (an int handle), after those launches on their stream.
+    With a counter, it writes what the counter's last completed step measured (queue it after
+    the counter's ``next_step``): the rows of the micro-steps that step had; without one, the
+    rows the launches measured last."""
     if not isinstance(sink, StatsSink):
         raise TypeError(f"bind_stats_finish: sink must come from ops.stats_sink, got {type(sink).__name__}")
     return sink.out.device.kernels.bind_stats_finish(sink)

@@ -23,8 +23,8 @@ u64, u32, i32, f32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int32, ctypes.c_
 OLD_MULTI_MAX = 16
 OLD_ARGS = {
     "add_sr": (u64, u64, u64, f32, u64, u64, u64),
-    # + the two statistics pointers of add_sr_multi_stats_*, which the plain kernels pack as 0
-    "add_sr_multi": (u64,) * (6 * OLD_MULTI_MAX) + (u32,) * (OLD_MULTI_MAX + 1) + (u32, f32, u64, u32, u64, u64),
+    # + the statistics' slots and set count of add_sr_multi_stats_*, which the plain kernels pack as 0
+    "add_sr_multi": (u64,) * (6 * OLD_MULTI_MAX) + (u32,) * (OLD_MULTI_MAX + 1) + (u32, f32, u64, u32, u64, u32),
     "reduce_sr": (u64, u64, u32, i32, f32, i32, u64, u64, u64, u64, u32, u32),
     "fill_u8": (u64, u64, u32),  # was fill_zero_u8 (u64, u64): the byte became an argument
     "norm_squared_finish": (u64, u32, u64, i32),
@@ -33,7 +33,7 @@ OLD_ARGS = {
     "seed_counter": (u64, u32, u64, u32, u32),  # + the rounding mode
 }
 OLD_SYMBOLS = 8 + 4 + 4 + 1 + 1 + 1 + 4 + 2
-MULTI_LAYOUT = "=" + "Q" * 96 + "I" * 18 + "f4xQI4xQQ"  # struct MultiAddSr as C lays it out: 880 bytes
+MULTI_LAYOUT = "=" + "Q" * 96 + "I" * 18 + "f4xQI4xQI4x"  # struct MultiAddSr as C lays it out: 880 bytes
 
 
 def old_args(symbol: str) -> tuple[Any, ...]:
@@ -65,7 +65,7 @@ def test_struct_fields_keep_their_names_and_lengths() -> None:
     spec = ks.kernel_for("add_sr_multi", lg.bf16, lg.bf16, lg.fp32)
     assert [(p.name, p.count) for p in spec.params] == [
         ("dst", 16), ("a", 16), ("b", 16), ("seed", 16), ("offset", 16), ("n", 16), ("first", 17), ("count", 1),
-        ("scale", 1), ("counter", 1), ("layer", 1), ("stats_b", 1), ("stats_a", 1)]
+        ("scale", 1), ("counter", 1), ("layer", 1), ("stats", 1), ("sets", 1)]
     assert spec.flatten({p.name: [] if p.count > 1 else 0 for p in spec.params}) == [0] * len(spec.args)
     with pytest.raises(ValueError, match="takes"):
         spec.flatten({"dst": []})
@@ -100,7 +100,7 @@ def test_structs_and_constants_shared_with_python() -> None:
 
     fields = ks.struct_fields("seed_counter", "SeedCounter")
     assert [(f.name, f.ctype, f.count) for f in fields] == [("base", u64, 1)] + [(n, u32, 1) for n in (
-        "step", "micro", "mode", "pad")]
+        "step", "micro", "mode", "done")]
     assert sc.COUNTER_DTYPE.names == tuple(f.name for f in fields) and sc.COUNTER_DTYPE.itemsize == 24
     c = ks.constants("seed_counter")
     assert sc.ROUNDINGS == {"sr": c["ROUND_SR"], "ldsr": c["ROUND_LDSR"], "rn": c["ROUND_RN"]}

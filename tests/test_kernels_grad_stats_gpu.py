@@ -69,25 +69,38 @@ def test_grad_stats_is_the_reference(gpu: lg.Device, dtype: lg.DType) -> None:
 
 def test_grad_stats_rows_follow_the_counter(gpu: lg.Device) -> None:
     """per_micro: the row is row + the counter's micro-step when the work runs (a captured
-    launch replays into the micro-step's row); a row past the end is not written."""
+    launch replays into the micro-step's row), written by the finish once the step is complete;
+    a micro-step whose row is past the end is not measured; after a shorter step the finish
+    writes only that step's rows (the longer step's last set is not read again)."""
     rng = np.random.default_rng(1)
-    xv = values(rng, 10_000, lg.bf16)
-    x = lg.from_numpy(xv, gpu, name="x")
+    xvs = [values(rng, 10_000, lg.bf16) for _ in range(4)]
+    x = gpu.alloc(10_000, lg.bf16, name="x")
     out = gpu.alloc((4, 1, 3), lg.fp64, name="out")
     s = gpu.stream()  # every update of the counter and the rows on this one stream
-    lg.ops.fill_nan(out, s)
     counter = SeedCounter(gpu, 5, 0, s)
     sink = lg.ops.stats_sink(out, counter)
     run, finish = lg.ops.bind_grad_stats([x], sink, [0], 1, per_micro=True), lg.ops.bind_stats_finish(sink)
-    for _ in range(4):  # micro-steps 0..3: rows 1, 2, 3, then 4 (past the end)
-        run(s.handle)
+    for micro_steps in (4, 2):  # micro-steps 0..3: rows 1, 2, 3, then 4 (past the end); then rows 1, 2
+        lg.ops.fill_nan(out, s)
+        for m in range(micro_steps):
+            if m:
+                counter.next_micro(s.handle)
+            lg.ops.copy(x, lg.from_numpy(xvs[m], gpu, name="xv"), s)
+            run(s.handle)
+            s.synchronize()  # before the next copy's source is freed
+        finish(s.handle)  # the step is not complete: nothing written
+        s.synchronize()
+        assert np.isnan(out.numpy()).all()
+        counter.next_step(s.handle)
         finish(s.handle)
-        counter.next_micro(s.handle)
-    s.synchronize()
-    got = out.numpy()
-    assert np.isnan(got[0]).all()
-    for r in (1, 2, 3):
-        close_to_reference(got[r, 0], xv, f"row {r}")
+        s.synchronize()
+        got = out.numpy()
+        assert np.isnan(got[0]).all()
+        for r in range(1, 4):
+            if r <= micro_steps:
+                close_to_reference(got[r, 0], xvs[r - 1], f"row {r} of a step of {micro_steps}")
+            else:
+                assert np.isnan(got[r]).all(), (micro_steps, r, got[r])
 
 
 @pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32), (lg.fp32, lg.bf16), (lg.fp32, lg.fp32)],
@@ -124,10 +137,11 @@ def test_add_sr_multi_with_stats_measures_what_it_adds(gpu: lg.Device, dtypes: t
             if m:
                 counter.next_micro(s.handle)
             add(s.handle)
-            finish(s.handle)
             if m == 0:
                 s.synchronize()
                 after0 = [d.numpy().copy() for d in dsts]
+        counter.next_step(s.handle)
+        finish(s.handle)
         s.synchronize()
         return [d.numpy().copy() for d in dsts], after0, out.numpy().copy()
     plain, after0, _ = run(False)

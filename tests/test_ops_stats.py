@@ -90,9 +90,42 @@ def test_bad_stats_target_of_the_multi_add_is_refused_before_binding(dev: lg.Hos
     assert shard.numpy().tolist() == [1.0, 2.0, 3.0, 4.0] and np.isnan(out.numpy()).all()
     counter.next_micro(0)
     add(0)
-    ops.bind_stats_finish(sink)(0)
+    finish = ops.bind_stats_finish(sink)
+    finish(0)  # the step is not complete: nothing to write yet
+    assert np.isnan(out.numpy()).all()
+    counter.next_step(0)
+    finish(0)
     assert out.numpy()[1, 3].tolist() == [30.0, 0.0, 4.0]  # b of micro-step 1
     assert out.numpy()[0, 3].tolist() == [30.0, 0.0, 4.0]  # a at micro-step 1: micro-step 0's sum
+
+
+def test_the_finish_writes_the_micro_steps_of_the_last_completed_step_only(dev: lg.HostDevice) -> None:
+    """A step of 3 micro-steps, then one of 2 and one of 1: each finish writes the rows its step
+    measured and leaves the others (a longer step's row 2 is not written again after a shorter
+    one; a step of one micro-step runs no add); micro_steps bounds what a launch measures."""
+    counter = SeedCounter(dev, 1, 0)
+    out = rows(dev, (4, 1, 3))
+    sink = ops.stats_sink(out, counter, micro_steps=3)
+    shard = lg.from_numpy(np.zeros(2, np.float32), dev, name="shard")
+    grad = lg.from_numpy(np.zeros(2, np.float32), dev, name="grad")
+    add = ops.bind_add_sr_multi([(shard, shard, grad, 0)], (counter, 0, [0]), stats=(sink, [0]))
+    finish = ops.bind_stats_finish(sink)
+    for micro_steps, values in ((4, (1.0, 2.0, 3.0, 4.0)), (2, (5.0, 6.0)), (1, (7.0,))):
+        ops.fill_nan(out)
+        shard.numpy()[:] = values[0]
+        for m in range(1, micro_steps):
+            counter.next_micro(0)
+            grad.numpy()[:] = values[m]
+            add(0)
+        counter.next_step(0)
+        finish(0)
+        sums = out.numpy()[:, 0, 0]
+        want = [2 * v * v for v in values][:3] if micro_steps > 1 else []
+        assert sums[:len(want)].tolist() == want and np.isnan(sums[len(want):]).all(), (micro_steps, sums)
+    with pytest.raises(ValueError, match="micro_steps"):
+        ops.stats_sink(out, counter, micro_steps=0)
+    with pytest.raises(TypeError, match="micro_steps"):
+        ops.stats_sink(out, counter, micro_steps=2.0)  # type: ignore[arg-type]
 
 
 def test_bind_stats_finish_needs_a_sink(dev: lg.HostDevice) -> None:

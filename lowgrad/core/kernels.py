@@ -34,16 +34,30 @@ class StatsSink:
     """Where bound launches put gradient statistics: ``out``, a float64 tensor of shape ``(rows,
     columns, 3)`` whose (row, column) entries take ``(sum of squares, non-finite count, largest
     finite |x|)`` of a tensor (:func:`lowgrad.sr.reference.grad_stats`); ``counter``, the seed
-    counter whose micro-step picks the rows that follow it (None: there are none); ``jobs``, what
-    the bound launches registered (the backend's own records), which the launch
-    :meth:`Kernels.bind_stats_finish` makes writes into ``out``. ``lowgrad.ops.stats_sink`` makes
-    one, checked."""
+    counter whose micro-step picks the rows that follow it (None: there are none);
+    ``micro_steps``, the most micro-steps a step has (a launch measures at micro-steps below it
+    only: each keeps its measurements until the step ends); ``jobs``, what the bound launches
+    registered (the backend's own records), which the launch :meth:`Kernels.bind_stats_finish`
+    makes writes into ``out``. ``lowgrad.ops.stats_sink`` makes one, checked."""
 
     out: Tensor
     counter: Any
+    micro_steps: int
     jobs: list[Any] = field(default_factory=list)
     #: the tensors the backend allocated for the bound launches (closed with their owner)
     owned: list[Tensor] = field(default_factory=list)
+
+    def add_sets(self) -> list[tuple[int, int, int]]:
+        """The ``(set, row, micro)`` of a multi-tensor add_sr's measurements: set ``m`` is row
+        ``m``, measured at micro-step ``m`` (b's); set 0 at micro-step 1 (a's, micro-step 0's sum)."""
+        return [(m, m, max(m, 1)) for m in range(min(self.micro_steps, self.out.shape[0]))]
+
+    def grad_stats_sets(self, row: int, per_micro: bool) -> list[tuple[int, int, int]]:
+        """The ``(set, row, micro)`` of a grad_stats launch for ``row``: one per micro-step
+        (``per_micro``: set ``m`` at micro-step ``m``, row ``row + m``), or one, written whenever it runs."""
+        if not per_micro:
+            return [(0, row, 0)]
+        return [(m, row + m, m) for m in range(min(self.micro_steps, self.out.shape[0] - row))]
 
 
 #: the statistics of a bound multi-tensor launch: the sink and the column of each item
@@ -154,7 +168,7 @@ class Kernels(ABC):
         sink's counter) the same work also measures item ``i``'s ``b`` for row ``m`` (the counter's
         micro-step when it runs; from micro-step 1), column ``stats[1][i]``, and at micro-step 1
         its ``a`` before the add for row 0 (where a shard then holds micro-step 0's gradient); the
-        rows are written by the sink's finish (:meth:`bind_stats_finish`)."""
+        rows are written by the sink's finish (:meth:`bind_stats_finish`) after the step."""
 
     @abstractmethod
     def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
@@ -167,7 +181,10 @@ class Kernels(ABC):
     @abstractmethod
     def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
         """The returned ``f(stream)`` writes the rows of every launch bound into ``sink`` so far,
-        from what those launches measured last (queue it after them on their stream)."""
+        from what those launches measured last (queue it after them on their stream). With a
+        counter it writes only what the counter's last completed step measured: the rows of
+        micro-steps below its ``done`` (a launch's row of a micro-step that step did not have is
+        left as it is); without one, every row."""
 
     @abstractmethod
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,

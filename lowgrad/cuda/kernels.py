@@ -21,7 +21,6 @@ from lowgrad.core.dtypes import DType, byte
 from lowgrad.core.errors import ClosedError
 from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for, struct_fields
 from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
-from lowgrad.core.limits import U32
 from lowgrad.core.tensor import Tensor, from_numpy
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.compiler import compile_kernels
@@ -29,7 +28,6 @@ from lowgrad.sr.checks import SR_DTYPES
 
 GRID_PER_SM = 64  # blocks per SM of the grid-stride kernels (measured: tools/bench_kernels.py)
 NORM_PARTIALS = 1024  # blocks of norm_squared stage 1 at most
-EVERY_MICRO = U32 - 1  # a statistics job's last micro-step when it runs at every one
 
 _FMT = {ctypes.c_uint64: "Q", ctypes.c_int64: "q", ctypes.c_uint32: "I", ctypes.c_int32: "i",
         ctypes.c_float: "f", ctypes.c_double: "d"}
@@ -238,9 +236,10 @@ class CudaKernels(Kernels):
         of ``a``'s dtype) in launches of up to ``MULTI_MAX`` tensors, everything packed here, once.
         ``seeds``: ``(None, 0, a seed per item)`` or ``(counter, layer, a lane per item)`` (seeds
         read on the device when the kernel runs). With ``stats``, ``add_sr_multi_stats_*`` writes
-        each block's statistics of b (and at micro-step 1 of a) to slots made here, registered in
-        the sink as jobs for its finish. The grid is the resident one; ``blocks`` overrides it
-        (CUDA only, for tuning: launch shape is no part of the kernel contract)."""
+        each block's statistics of b at micro-step m (and at micro-step 1 of a, for row 0) to slot
+        set m of slots made here, registered in the sink as jobs for its finish. The grid is the
+        resident one; ``blocks`` overrides it (CUDA only, for tuning: launch shape is no part of
+        the kernel contract)."""
         stem = "add_sr_multi" if stats is None else "add_sr_multi_stats"
         spec = kernel_for(stem, items[0][0].dtype, items[0][0].dtype, items[0][2].dtype)
         func = self.kernel(spec).func
@@ -254,21 +253,20 @@ class CudaKernels(Kernels):
             part = items[c:c + mm]
             first = self._chunks([d for d, _, _, _ in part], mm)
             grid = min(first[-1], grid_max)
-            slots = [0, 0]
+            slots, sets = 0, []
             if stats is not None:
                 sink, columns = stats[0], stats[1][c:c + len(part)]
-                # b's rows are the micro-steps' from 1 on; a's is row 0, at micro-step 1 only
-                for i, (add_micro, hi) in enumerate(((True, EVERY_MICRO), (False, 1))):
-                    t = self._stats_jobs(sink, len(part), grid, columns, 0, add_micro, 1, hi)
-                    owned.append(t)
-                    slots[i] = t.ptr
+                sets = sink.add_sets()
+                t = self._stats_jobs(sink, grid, columns, sets)
+                owned.append(t)
+                slots = t.ptr
             k = Kernel(spec, func)
             k.pack(*spec.flatten({
                 "dst": [d.ptr for d, _, _, _ in part], "a": [a.ptr for _, a, _, _ in part],
                 "b": [b.ptr for _, _, b, _ in part], "seed": cols_seed[c:c + len(part)],
                 "offset": [off for *_, off in part], "n": [d.numel for d, *_ in part],
                 "first": first, "count": len(part), "scale": scale, "counter": counter_ptr, "layer": layer,
-                "stats_b": slots[0], "stats_a": slots[1]}))
+                "stats": slots, "sets": len(sets)}))
             if grid:
                 launches.append((k, grid))
         held = [t for item in items for t in item[:3]] + owned
@@ -282,26 +280,32 @@ class CudaKernels(Kernels):
             first.append(first[-1] + -(-t.numel // self.multi_chunk))
         return first + [first[-1]] * (size - len(tensors))
 
-    def _stats_jobs(self, sink: StatsSink, count: int, grid: int, columns: list[int], row0: int,
-                    add_micro: bool, lo: int, hi: int) -> Tensor:
-        """The statistics slots of a launch of ``count`` tensors on ``grid`` blocks (every block one
-        slot per tensor, kernels/grad_stats.cuh), and one job per tensor in the sink."""
-        per = grid
-        slots = self.device.alloc(max(count * per, 1) * self.slot_bytes, byte, name="grad_stats_slots")
+    def _stats_jobs(self, sink: StatsSink, grid: int, columns: list[int], sets: list[tuple[int, int, int]]
+                    ) -> Tensor:
+        """The statistics slots of a launch of ``len(columns)`` tensors on ``grid`` blocks: for each
+        ``(set, row, micro)`` of ``sets`` every block's slot of every tensor
+        (kernels/grad_stats.cuh), ``[set][tensor][block]``; and one job per tensor and set in the
+        sink: row ``row``, finished when the step had micro-step ``micro``."""
+        count = len(columns)
+        slots = self.device.alloc(max(len(sets) * count * grid, 1) * self.slot_bytes, byte, name="grad_stats_slots")
         sink.owned.append(slots)
         for t, column in enumerate(columns):
-            sink.jobs.append((slots.ptr + t * per * self.slot_bytes if per else 0, per, column, row0, int(add_micro),
-                              lo, hi))
+            for s, row, micro in sets:
+                first = slots.ptr + ((s * count + t) * grid) * self.slot_bytes if grid else 0
+                sink.jobs.append((first, grid, column, row, micro))
         return slots
 
     def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
                         per_micro: bool) -> Callable[[int], None]:
         """``f(stream)``: ``grad_stats_<dtype>`` over up to ``STATS_MAX`` tensors a launch (a
         persistent grid over their chunks), each block's statistics into slots registered in the
-        sink; everything packed here."""
+        sink (with ``per_micro`` a set per micro-step, picked by the counter when it runs);
+        everything packed here."""
         spec = kernel_for("grad_stats", tensors[0].dtype)
         func = self.kernel(spec).func
         grid_max = self.resident_blocks(func, spec.block)
+        counter_ptr, counter_alloc = _counter_args(sink.counter if per_micro else None)
+        sets = sink.grad_stats_sets(row, per_micro)
         mm = self.multi_max
         launches: list[tuple[Kernel, int]] = []
         owned: list[Tensor] = []
@@ -309,14 +313,16 @@ class CudaKernels(Kernels):
             part = tensors[c:c + mm]
             first = self._chunks(part, mm)
             grid = min(first[-1], grid_max)
-            slots = self._stats_jobs(sink, len(part), grid, columns[c:c + mm], row, per_micro, 0, EVERY_MICRO)
+            slots = self._stats_jobs(sink, grid, columns[c:c + mm], sets)
             owned.append(slots)
             k = Kernel(spec, func)
             k.pack(*spec.flatten({"x": [t.ptr for t in part], "n": [t.numel for t in part], "first": first,
-                                  "count": len(part), "partials": slots.ptr}))
+                                  "count": len(part), "partials": slots.ptr, "counter": counter_ptr,
+                                  "sets": len(sets)}))
             if grid:
                 launches.append((k, grid))
-        return _run_packed(launches, tuple(dict.fromkeys(t.allocation for t in (*tensors, *owned))), tensors[0].name)
+        allocs = tuple(dict.fromkeys(t.allocation for t in (*tensors, *owned))) + counter_alloc
+        return _run_packed(launches, allocs, tensors[0].name)
 
     def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
         """``f(stream)``: ``grad_stats_finish`` over the sink's jobs (their table copied to the
@@ -328,7 +334,7 @@ class CudaKernels(Kernels):
         spec = kernel("grad_stats_finish")
         k = Kernel(spec, self.kernel(spec).func)
         out, (counter_ptr, counter_alloc) = sink.out, _counter_args(sink.counter)
-        k.pack(table.ptr, len(sink.jobs), out.ptr, out.shape[0], out.shape[1], counter_ptr)
+        k.pack(table.ptr, len(sink.jobs), out.ptr, out.shape[1], counter_ptr)
         allocs = tuple(dict.fromkeys(t.allocation for t in (out, *sink.owned))) + counter_alloc
         return _run_packed([(k, len(sink.jobs))], allocs, out.name)
 

@@ -20,19 +20,23 @@ def _roundings(source: SeedSource) -> list[Rounding]:
     return [Rounding(s) for s in values] if counter is None else counter.host_roundings(layer, values)
 
 
-def _micro(counter: Any) -> int:
-    """The micro-step a seed counter holds now (the host backend runs work when it is queued)."""
-    return int(counter.tensor.numpy().view(COUNTER_DTYPE)[0]["micro"])
+def _counter(counter: Any, field: str) -> int:
+    """A seed counter's ``field`` now (the host backend runs work when it is queued)."""
+    return int(counter.tensor.numpy().view(COUNTER_DTYPE)[0][field])
 
 
-def _write_stats(out: Tensor, row: int, columns: list[int], tensors: list[Tensor]) -> None:
-    """The statistics of each tensor (:func:`lowgrad.sr.reference.grad_stats`) into ``out[row, column]``
-    (a row past the end is not written, as on the device)."""
-    o = out.numpy()
-    if row >= o.shape[0]:
-        return
-    for col, t in zip(columns, tensors):
-        o[row, col] = reference.grad_stats(t.numpy().reshape(-1))
+def _stats_slots(sink: StatsSink, columns: list[int], sets: list[tuple[int, int, int]]) -> np.ndarray:
+    """A launch's measurements of ``len(columns)`` tensors, one set each of ``sets`` (``(set, row,
+    micro)``: :meth:`StatsSink.add_sets`), kept until the sink's finish writes them as the CUDA
+    backend's slots are; a job per tensor and set in the sink."""
+    slots = np.full((len(sets), len(columns), 3), np.nan)
+    sink.jobs.extend((slots, s, t, column, row, micro) for t, column in enumerate(columns) for s, row, micro in sets)
+    return slots
+
+
+def _measure(tensors: list[Tensor]) -> np.ndarray:
+    """:func:`lowgrad.sr.reference.grad_stats` of each tensor, one row each."""
+    return np.array([reference.grad_stats(t.numpy().reshape(-1)) for t in tensors], np.float64).reshape(-1, 3)
 
 
 def _trace(name: str, t: Tensor, stream: int) -> None:
@@ -87,29 +91,43 @@ class HostKernels(Kernels):
                           stats: StatsTarget | None = None) -> Callable[[int], None]:
         twin: Twin = self.__dict__["add_sr"]
         counter = seeds[0]
+        slots = None if stats is None else _stats_slots(stats[0], stats[1], stats[0].add_sets())
 
         def run(stream: int) -> None:
-            if stats is not None:  # measured before the adds (a may be dst), as the device does
-                micro, (sink, columns) = _micro(counter), stats
-                if micro >= 1:
-                    _write_stats(sink.out, micro, columns, [b for _, _, b, _ in items])
+            if slots is not None:  # measured before the adds (a may be dst), as the device does
+                micro = _counter(counter, "micro")
+                if 1 <= micro < len(slots):
+                    slots[micro] = _measure([b for _, _, b, _ in items])
                 if micro == 1:
-                    _write_stats(sink.out, 0, columns, [a for _, a, _, _ in items])
+                    slots[0] = _measure([a for _, a, _, _ in items])
             for (dst, a, b, off), rd in zip(items, _roundings(seeds)):
                 twin.apply({"dst": dst, "a": a, "b": b, "scale": scale, "index_offset": off}, rd, stream)
         return run
 
     def bind_grad_stats(self, tensors: list[Tensor], sink: StatsSink, columns: list[int], row: int,
                         per_micro: bool) -> Callable[[int], None]:
-        """The rows are written when the launch runs (the host has no partial results to finish)."""
+        slots = _stats_slots(sink, columns, sink.grad_stats_sets(row, per_micro))
+
         def run(stream: int) -> None:
             if trace.ENABLED:
                 _trace("grad_stats", sink.out, stream)
-            _write_stats(sink.out, row + (_micro(sink.counter) if per_micro else 0), columns, tensors)
+            s = _counter(sink.counter, "micro") if per_micro else 0
+            if s < len(slots):
+                slots[s] = _measure(tensors)
         return run
 
     def bind_stats_finish(self, sink: StatsSink) -> Callable[[int], None]:
-        return lambda stream: None  # the host's launches wrote their rows already
+        jobs = list(sink.jobs)
+
+        def run(stream: int) -> None:
+            if trace.ENABLED:
+                _trace("grad_stats_finish", sink.out, stream)
+            done = None if sink.counter is None else _counter(sink.counter, "done")
+            out = sink.out.numpy()
+            for slots, s, t, column, row, micro in jobs:
+                if done is None or micro < done:
+                    out[row, column] = slots[s, t]
+        return run
 
     def bind_reduce_sr(self, dst: Tensor, src: Tensor, n_shards: int, skip: int, scale: float, accumulate: bool,
                        index_offset: int, seeds: SeedSource) -> Callable[[int], None]:

@@ -267,19 +267,11 @@ class GradientManager(ABC):
         self._check_call("end_micro_step", stream)
         self._protocol.check_end()
         last = self.last_micro_step
-        finish = self._finish if self._finish is not None and (last or self._stats_every_micro) else None
-        # the finish reads the counter's micro-step, so it must run before next_step resets it on
-        # the communication stream: inline, it goes on the engine's stream before
-        # _finish_non_block joins the communication stream to it (it always does); otherwise on
-        # the communication stream after the launches it reads
-        if finish is not None and self._inline:
-            finish(stream_handle(stream))
         if last:
             with nvtx_range("lowgrad.non_block reduce-scatter"):
                 self._finish_non_block(stream)
-        if finish is not None and not self._inline:
-            finish(self._comm_handle)
-        if last:
+            # after every launch that reads the micro-step: inline ones on the engine's stream,
+            # which _finish_non_block joins the communication stream to (it always does)
             self._counter.next_step(self._comm_handle)
         self._record(self._comm_done, self.comm_stream)
         self._wait(self._comm_done, stream)
@@ -505,9 +497,12 @@ class GradientManager(ABC):
             raise
 
     def _bind_stats(self) -> None:
-        """Bind the strategy's launches and the per-micro-step finish to a fresh sink of the
-        current rows (none without rows)."""
-        self._sink = None if self._stats is None else ops.stats_sink(self._stats, self._counter)
+        """Bind the strategy's launches, and the finish that turns what they measured in a step
+        into its rows (run by :meth:`stats`), to a fresh sink of the current rows (none without
+        rows)."""
+        rows = self._rows
+        self._sink = None if self._stats is None or rows is None else \
+            ops.stats_sink(self._stats, self._counter, rows.capacity)
         self._finish = None
         self._bind()  # the strategy's launches register in the sink (_stats_target)
         if self._sink is not None:
@@ -525,9 +520,6 @@ class GradientManager(ABC):
     def _stats_target(self) -> tuple[StatsSink, StatsRows] | None:
         """Where the bound launches put statistics (None: they measure none)."""
         return None if self._sink is None or self._rows is None else (self._sink, self._rows)
-
-    #: the micro-steps whose statistics the strategy's launches measure: every one, or the last
-    _stats_every_micro = True
 
     def stats(self, stream: StreamLike = None) -> Tensor:
         """The completed step's gradient statistics (``stats=True``): a float64 device tensor of
@@ -587,8 +579,11 @@ class GradientManager(ABC):
         assert out is not None and rows is not None, "a completed step allocated the statistics"
         self._wait(self._comm_done, stream)
         self._after_host_copy(stream)
+        h = stream_handle(stream)
+        if self._finish is not None:  # the micro-step rows, from what the step's launches measured
+            self._finish(h)
         if self._step_pass is not None:
-            self._step_pass(stream_handle(stream))
+            self._step_pass(h)
         if self._gathered is None:
             return out.reshape(1, *out.shape)
         self.comm.all_gather(out, out=self._gathered, stream=stream)

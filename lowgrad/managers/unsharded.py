@@ -40,8 +40,6 @@ class UnshardedManager(GradientManager):
     def _stats_kinds(self) -> tuple[bool, str | None]:
         return False, "step"
 
-    _stats_every_micro = False  # the local passes run at the last micro-step only
-
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Layer ``layer``'s full gradients and whether to add into them (False on micro-step 0).
         ``zero_init`` tensors are zeroed on ``stream`` on micro-step 0 and always added into."""

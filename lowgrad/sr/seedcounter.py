@@ -1,5 +1,6 @@
 """A gradient manager's rounding state in the memory of its device: base seed, step, micro-step
-and rounding mode.
+and rounding mode, and how many micro-steps the last completed step had (``done``, which tells the
+statistics' finish which rows its step measured).
 
 The kernels a manager binds read it when they run and derive the per-use rounding of ``(step,
 micro_step, layer, lane = 2 * tensor + phase)`` from it (``kernels/sr.cuh``), instead of taking a
@@ -90,7 +91,8 @@ class SeedCounter:
         self._update(self.tensor, NEXT_MICRO, 0, 0, 0, stream)
 
     def next_step(self, stream: int) -> None:
-        """Step += 1, micro-step 0 (queued on the raw stream ``stream``)."""
+        """Step += 1, micro-step 0, and ``done``: the finished step's micro-steps (queued on the
+        raw stream ``stream``)."""
         self._update(self.tensor, NEXT_STEP, 0, 0, 0, stream)
 
     def host_roundings(self, layer: int, lanes: list[int]) -> list[Rounding]:
@@ -116,8 +118,8 @@ def roundings(c: Any, layer: int, lanes: list[int]) -> list[Rounding]:
 def apply_op(counter: np.ndarray, op: int, base: int, step: int, mode: int) -> None:
     """What ``seed_counter`` does, on a host ``COUNTER_DTYPE`` record (the host backend)."""
     if op == SET:
-        counter["base"], counter["step"], counter["micro"], counter["mode"], counter["pad"] = base, step, 0, mode, 0
+        counter["base"], counter["step"], counter["micro"], counter["mode"], counter["done"] = base, step, 0, mode, 0
     elif op == NEXT_MICRO:
         counter["micro"] += 1
     else:
-        counter["step"], counter["micro"] = counter["step"] + 1, 0
+        counter["done"], counter["step"], counter["micro"] = counter["micro"] + 1, counter["step"] + 1, 0
