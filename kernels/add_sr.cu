@@ -112,8 +112,7 @@ template <typename D, typename A, typename B> struct AddSr {
               pack_bf16x2_sr_finite<SHIFT>(x[u][4], x[u][5], r.z, sh),
               pack_bf16x2_sr_finite<SHIFT>(x[u][6], x[u][7], r.w, sh));
         else
-          store8_vec(dst + e[u], x[u], SHIFT ? make_uint4(add_halves(r.x, sh), add_halves(r.y, sh), add_halves(r.z, sh),
-                                                          add_halves(r.w, sh)) : r, 0u);
+          store8_vec(dst + e[u], x[u], SHIFT ? add_halves4(r, sh) : r, 0u);
       } else {
         store8_vec(dst + e[u], x[u], make_uint4(0u, 0u, 0u, 0u), 0u);
       }

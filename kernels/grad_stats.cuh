@@ -24,8 +24,6 @@ struct StatsPartial {  // one warp's or block's statistics of one tensor (16 byt
   u32 pad;
 };
 
-__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= __int_as_float(0x7f7fffff); }  // NaN: false
-
 struct StatsAcc {  // one thread's statistics of the current tensor
   float s = 0.0f, m = 0.0f;
   u32 c = 0u;

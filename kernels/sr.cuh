@@ -91,15 +91,16 @@ __device__ __forceinline__ uint4 sr_noise8(uint2 key, u64 first) {
 
 // (w's low half + s) mod 2^16 | (w's high half + s) mod 2^16 << 16, for s < 2^16.
 __device__ __forceinline__ u32 add_halves(u32 w, u32 s) { return ((w & 0xffff0000u) + (s << 16)) | ((w + s) & 0xffffu); }
+__device__ __forceinline__ uint4 add_halves4(uint4 r, u32 s) {
+  return make_uint4(add_halves(r.x, s), add_halves(r.y, s), add_halves(r.z, s), add_halves(r.w, s));
+}
 
 // Noise for a group stored as D: none (and no Philox work) for fp32 and round to nearest.
 template <typename D> __device__ __forceinline__ uint4 group_noise(const Rounding& rd, u64 first) {
   if constexpr (rounds_sr((D*)nullptr)) {
     if (rd.rn) return make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu);
     const uint4 r = sr_noise8(rd.key, first);
-    if (!rd.shift) return r;
-    return make_uint4(add_halves(r.x, rd.shift), add_halves(r.y, rd.shift), add_halves(r.z, rd.shift),
-                      add_halves(r.w, rd.shift));
+    return rd.shift ? add_halves4(r, rd.shift) : r;
   } else {
     return make_uint4(0u, 0u, 0u, 0u);
   }
@@ -178,12 +179,13 @@ __device__ __forceinline__ u32 pack_bf16x2_sr_finite(float lo, float hi, u32 r, 
   return top_halves(__float_as_uint(lo) + rlo, __float_as_uint(hi) + rhi);
 }
 
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= __int_as_float(0x7f7fffff); }  // NaN: false
+
 // Whether the 8 values are finite, by one sum: a NaN or Inf makes it NaN or Inf. A sum that
 // overflows from finite values also says "no", which only sends the group to the general path.
 __device__ __forceinline__ bool finite8(const float (&v)[8]) {
-  const float s = __fadd_rn(__fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3])),
-                            __fadd_rn(__fadd_rn(v[4], v[5]), __fadd_rn(v[6], v[7])));
-  return fabsf(s) <= __int_as_float(0x7f7fffff);
+  return finite(__fadd_rn(__fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3])),
+                          __fadd_rn(__fadd_rn(v[4], v[5]), __fadd_rn(v[6], v[7]))));
 }
 
 __device__ __forceinline__ void store8_vec(float* p, const float (&v)[8], uint4, u32) {
