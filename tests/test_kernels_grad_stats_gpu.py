@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
+from lowgrad.core.kernel_source import kernel_for
 from lowgrad.sr.seedcounter import SeedCounter
 
 pytestmark = pytest.mark.gpu
@@ -88,9 +89,10 @@ def test_grad_stats_rows_follow_the_counter(gpu: lg.Device) -> None:
             lg.ops.copy(x, lg.from_numpy(xvs[m], gpu, name="xv"), s)
             run(s.handle)
             s.synchronize()  # before the next copy's source is freed
-        finish(s.handle)  # the step is not complete: nothing written
-        s.synchronize()
-        assert np.isnan(out.numpy()).all()
+        if micro_steps == 4:  # no step is complete yet: nothing to write
+            finish(s.handle)
+            s.synchronize()
+            assert np.isnan(out.numpy()).all()
         counter.next_step(s.handle)
         finish(s.handle)
         s.synchronize()
@@ -157,3 +159,16 @@ def test_add_sr_multi_with_stats_measures_what_it_adds(gpu: lg.Device, dtypes: t
     assert got[2, 5, 1] == 1 and np.isnan(got[2, 5, 0])  # micro-step 2's NaN, counted
     assert np.array_equal(got, got2, equal_nan=True) and all(
         np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(fused, again))  # run to run
+
+
+@pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32)], ids=lambda d: "-".join(t.name for t in d))
+def test_add_sr_multi_with_stats_keeps_the_plain_kernels_occupancy(gpu: lg.Device,
+                                                                   dtypes: tuple[lg.DType, lg.DType]) -> None:
+    """The statistics ride in the bf16-shard add without costing it a resident block per SM: run
+    43 measured 7% on the micro-step when ptxas gave the fused kernel 96 registers (2 blocks per
+    SM) instead of 80 (3, as the plain kernel)."""
+    k = gpu.kernels
+    d, b = dtypes
+    plain, fused = (k.kernel(kernel_for(stem, d, d, b)) for stem in ("add_sr_multi", "add_sr_multi_stats"))
+    assert k.resident_blocks(fused.func, fused.block) == k.resident_blocks(plain.func, plain.block) \
+        >= 3 * gpu.sm_count, (k.resident_blocks(fused.func, fused.block), k.resident_blocks(plain.func, plain.block))
