@@ -4,9 +4,7 @@
 
 // Measured best on H200: 2 groups of 8 per thread and iteration, and an explicit minimum of 1 block
 // per SM in __launch_bounds__ (ptxas then schedules with ~80 registers instead of capping at 64).
-// The statistics kernel asks for 3 blocks per SM (at most 85 registers): left free, ptxas gave it
-// 86 or 96 after small edits, 2 blocks per SM, 7% slower (run 43).
-enum { ADD_UNROLL = 2, ADD_MIN_BLOCKS = 1, ADD_STATS_MIN_BLOCKS = 3 };
+enum { ADD_UNROLL = 2, ADD_MIN_BLOCKS = 1 };
 
 // What a watch sees of each group (a's values x, b's values y, before they are added): see() in
 // full; or, in the fast path, before(u, ...) and, once the group is stored, after(u, b) with b's
@@ -214,21 +212,21 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 880 bytes of kernel
 template <typename D, typename A, typename B, bool STATS>
 __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   __shared__ Rounding rds[MULTI_MAX];
-  __shared__ u32 micro;  // the counter's micro-step (STATS): read once, beside the roundings
   if (threadIdx.x < m.count)
     rds[threadIdx.x] = m.counter ? counter_rounding(m.counter, m.layer, (u32)m.seed[threadIdx.x])
                                  : seed_rounding(m.seed[threadIdx.x]);
-  if (STATS && threadIdx.x == 0) micro = m.counter->micro;
   __syncthreads();
   constexpr int U = ADD_UNROLL;
   const u32 total = m.first[m.count];
   typename Pick<STATS, StatsWatch<U>, NoWatch>::type w{};
   __shared__ StatsPartial warps[STATS ? 2 * MULTI_MAX * STATS_WARPS : 1];
   if constexpr (STATS) {
-    // b's set is picked at the end (flush), so the loop holds no pointer that depends on it
+    // b's set is picked at the end (flush): a pointer that depends on the micro-step here changes
+    // ptxas' register allocation of the loop (96 registers instead of 80: 2 blocks per SM
+    // instead of 3, 7% slower in run 43)
     w.b.base = m.stats;
     w.b.warps = warps;
-    w.a.base = micro == 1u ? m.stats : nullptr;
+    w.a.base = m.counter->micro == 1u ? m.stats : nullptr;  // the same in every thread
     w.a.warps = warps + MULTI_MAX * STATS_WARPS;
   }
   u32 t = 0;
@@ -265,6 +263,7 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   if constexpr (STATS) {
     w.b.advance(m.count);
     w.a.advance(m.count);
+    const u32 micro = m.counter->micro;
     w.b.base = micro - 1u < m.sets - 1u ? m.stats + (u64)micro * m.count * gridDim.x : nullptr;
     __syncthreads();
     w.b.flush(m.count);
@@ -277,7 +276,7 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   add_sr_multi_##DN##_##AN##_##BN(const __grid_constant__ MultiAddSr m) {                             \
     add_sr_multi<D, A, B, false>(m);                                                                   \
   }                                                                                                    \
-  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, ADD_STATS_MIN_BLOCKS)                     \
+  extern "C" __global__ void __launch_bounds__(CHUNK_THREADS, ADD_MIN_BLOCKS)                           \
   add_sr_multi_stats_##DN##_##AN##_##BN(const __grid_constant__ MultiAddSr m) {                       \
     add_sr_multi<D, A, B, true>(m);                                                                    \
   }
