@@ -330,3 +330,37 @@ def test_a_reading_survives_the_rows_growing() -> None:
         same_stats(reading.result(), want)
         gm.close()
     lg.run_threads(1, job, backend="host")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_shorter_step_reads_none_of_a_longer_steps_rows(world: int) -> None:
+    """Each launch keeps a slot set per micro-step until stats() finishes the step: after a step
+    of 4 micro-steps, a step of 2 reports the rows of its own 2 (as a manager that only ever had
+    2-micro-step steps does) and leaves the rows of micro-steps 2 and 3 unmeasured (NaN), in the
+    device tensor too; stats() called twice gives the same rows."""
+    layout = small_layout()
+
+    def job(comm: Any) -> tuple[np.ndarray, np.ndarray, StepStats, StepStats]:
+        gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
+        drive(comm, layout, "scatter_reduce", False, 4, gm=gm, gfun=bf16_grad)
+        gm.stats()
+        drive(comm, layout, "scatter_reduce", False, 2, gm=gm, first_step=1, gfun=bf16_grad)
+        rows = gm.stats().numpy().copy()
+        again = gm.stats().numpy().copy()
+        shorter = gm.step_stats()
+        fresh = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True, step=1)
+        drive(comm, layout, "scatter_reduce", False, 2, gm=fresh, first_step=1, gfun=bf16_grad)
+        return rows, again, shorter, fresh.step_stats()
+    for rows, again, shorter, fresh in lg.run_threads(world, job, backend="host"):
+        assert np.array_equal(rows, again, equal_nan=True)
+        C = 4  # the capacity the first step left: micro-step rows [0, C), local rows [C, 2C)
+        assert np.isnan(rows[:, 2:C]).all()
+        assert np.isnan(rows[:, C + 2:2 * C]).all() and (world > 1 or np.isnan(rows[:, C:2 * C]).all())
+        assert shorter.micro is not None and fresh.micro is not None and shorter.micro_steps == 2
+        assert np.array_equal(shorter.micro.sumsq, fresh.micro.sumsq, equal_nan=True)
+        assert np.array_equal(shorter.accumulated.sumsq, fresh.accumulated.sumsq)
+        if world > 1:
+            assert shorter.local is not None and fresh.local is not None
+            assert np.array_equal(shorter.local.sumsq, fresh.local.sumsq, equal_nan=True)
+            first_block = len(layout.non_block)  # layer 0's first block tensor: measured locally
+            assert not np.isnan(rows[:, C:C + 2, first_block]).any()
