@@ -124,7 +124,7 @@ class GradientManager(ABC):
         self._gathered: Tensor | None = None
         self._rows: StatsRows | None = None
         self._sink: StatsSink | None = None  # where the micro-steps' launches put theirs
-        self._finish: Callable[[int], None] | None = None  # writes their rows
+        self._finish: Callable[[int], None] | None = None  # writes their rows, once per step (stats())
         self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
         self._step_sink: StatsSink | None = None
         self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
@@ -526,7 +526,8 @@ class GradientManager(ABC):
         shape ``(world, rows, tensors, 3)`` holding every rank's rows, laid out as
         :mod:`lowgrad.managers.stats` says (per tensor: sum of squares, non-finite count, largest
         finite |x|; per micro-step, per rank's local gradient, and of the accumulated gradient).
-        Computes the accumulated gradient's row and gathers every rank's rows on ``stream``
+        Writes the rows of the step's micro-steps from what its launches measured, computes the
+        accumulated gradient's row and gathers every rank's rows on ``stream``
         without blocking the host; a collective at world > 1 (every rank calls it). The manager
         reuses the tensor: the next call, or the next step, overwrites it, ordered after
         ``stream``'s work only when the next step runs on ``stream`` too (a read of the tensor on
