@@ -1,6 +1,7 @@
 // Updates of a manager's SeedCounter (sr.cuh), queued on the stream of the SR kernels that read it:
 // SET sets {base, step, micro-step 0, mode, no completed step}; NEXT_MICRO advances the micro-step;
-// NEXT_STEP records the finished step's micro-steps in `done` and starts the next step. The host names the ops by these constants (lowgrad/sr/seedcounter.py reads them here).
+// NEXT_STEP records the finished step's micro-steps in `done` and starts the next step. The host
+// names the ops by these constants (lowgrad/sr/seedcounter.py reads them here).
 #include "sr.cuh"
 
 enum : u32 { SET = 0, NEXT_MICRO = 1, NEXT_STEP = 2 };
