@@ -193,8 +193,8 @@ SCALE_SR_KERNEL(bf16, bf16_t, bf16, bf16_t)
 // consumes) at micro-step m >= 1 of the counter to its slot of set m of `stats`, and at micro-step
 // 1 those of a (the shard, which then holds micro-step 0's gradient) to set 0: set m holds row m's
 // (grad_stats.cuh; grad_stats_finish turns the slots into per-tensor values once the step is
-// complete). A micro-step >= sets measures nothing. Its threads take a chunk's elements as
-// grad_stats' do.
+// complete). b is measured at micro-steps 1 .. sets - 1 only (sets >= 1). Its threads take a
+// chunk's elements as grad_stats' do.
 enum : u32 { MULTI_MAX = 16, CHUNK_THREADS = 256, CHUNK_ELEMS = CHUNK_THREADS * ADD_UNROLL * GROUP_ELEMS };
 static_assert(CHUNK_THREADS == STATS_THREADS && ADD_UNROLL == STATS_UNROLL, "a chunk is a grad_stats chunk");
 

@@ -6,10 +6,10 @@
 // moves on to the next tensor of the launch, combines them by a fixed tree (lanes i and i + h for
 // h = 16 .. 1) into its entry of the block's shared table (StatsStream). No barrier while the
 // accumulation kernel streams: one at its end, after which thread t adds tensor t's warp entries in
-// warp order into one StatsPartial slot, t * gridDim.x + block, of the launch's partials. Every
-// block writes a slot for every tensor of its launch (zeros for a tensor it never reached), so
-// tensor t's statistics are the gridDim.x consecutive slots from t * gridDim.x, which
-// grad_stats_finish sums in a fixed order. The order of every addition is fixed by the launch
+// warp order into one StatsPartial slot, t * gridDim.x + block from the base of the launch's slot
+// set (StatsStream::base: the micro-step's set). Every block writes a slot for every tensor of its
+// launch (zeros for a tensor it never reached), so tensor t's statistics are the gridDim.x
+// consecutive slots from t * gridDim.x of the set, which grad_stats_finish sums in a fixed order. The order of every addition is fixed by the launch
 // shape, which is the same from run to run on a GPU (the persistent grid is the resident one).
 #pragma once
 #include "sr.cuh"
@@ -68,7 +68,7 @@ struct StatsAcc {  // one thread's statistics of the current tensor
 // `warps` (STATS_WARPS per tensor, in shared memory) are written, acc holds tensor done's. Every
 // thread calls advance() with the same arguments, then after one __syncthreads() flush().
 struct StatsStream {
-  StatsPartial* base;   // the launch's slots; null: no statistics
+  StatsPartial* base;   // the launch's slot set; null: no statistics
   StatsPartial* warps;  // the block's shared table: [tensors of the launch][STATS_WARPS]
   u32 done;
   StatsAcc acc;

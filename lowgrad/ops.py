@@ -230,6 +230,8 @@ def stats_sink(out: Tensor, counter: SeedCounter | None = None, micro_steps: int
     if out.dtype is not fp64 or out.ndim != 3 or out.shape[2] != 3:
         raise TypeError(f"stats_sink: out {out.name!r} must be fp64 of shape (rows, columns, 3), got "
                         f"{out.dtype.name} {out.shape}")
+    if out.shape[0] == 0:  # the launches' slot sets follow the rows: none would leave nowhere to write
+        raise ValueError(f"stats_sink: out {out.name!r} needs at least one row, got shape {out.shape}")
     _kernel_memory(out.device, (out, "out"))
     if counter is not None and (not isinstance(counter, SeedCounter) or counter.device is not out.device):
         raise TypeError(f"stats_sink: counter must be a SeedCounter of {out.device!r}, got {counter!r}")

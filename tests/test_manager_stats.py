@@ -208,12 +208,14 @@ def test_graphs_keep_the_micro_step_count_and_refuse_rows_that_grew(monkeypatch:
 
 def test_a_failed_growth_keeps_the_rows_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
     """When binding the launches for larger rows fails (out of memory), the manager keeps its
-    rows and goes on measuring steps that fit them."""
+    rows, the completed step's statistics stay readable, and it goes on measuring steps that fit
+    them."""
     layout = small_layout()
 
     def job(comm: Any) -> None:
         gm = lg.create_gradient_manager(layout, comm, strategy="scatter_reduce", stats=True)
         drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
+        rows = gm.stats().numpy().copy()
         real = lg.ops.bind_stats_finish
         calls = [0]
 
@@ -227,6 +229,8 @@ def test_a_failed_growth_keeps_the_rows_it_had(monkeypatch: pytest.MonkeyPatch) 
             gm.start_micro_step(None, 0, 4)
         monkeypatch.setattr(lg.ops, "bind_stats_finish", real)
         assert not gm.in_micro_step
+        # the completed step is still readable, its rows as they were
+        assert np.array_equal(gm.stats().numpy(), rows, equal_nan=True) and not np.isnan(rows[0, 1, :, 0]).all()
         drive(comm, layout, "scatter_reduce", False, 2, gm=gm, first_step=1, gfun=bf16_grad)
         stats = gm.step_stats()
         assert stats.micro is not None and stats.micro_steps == 2 and not np.isnan(stats.micro.sumsq[0, 1, -1])

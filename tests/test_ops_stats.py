@@ -32,6 +32,8 @@ def test_stats_sink_refuses_what_cannot_hold_rows(dev: lg.HostDevice) -> None:
     for bad, error in bads:
         with pytest.raises(error, match="out"):
             ops.stats_sink(bad)
+    with pytest.raises(ValueError, match="at least one row"):
+        ops.stats_sink(dev.alloc((0, 4, 3), lg.fp64, name="x"), micro_steps=2)
     with pytest.raises(TypeError, match="SeedCounter"):
         ops.stats_sink(rows(dev), counter=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="SeedCounter"):

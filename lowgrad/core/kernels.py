@@ -35,8 +35,8 @@ class StatsSink:
     columns, 3)`` whose (row, column) entries take ``(sum of squares, non-finite count, largest
     finite |x|)`` of a tensor (:func:`lowgrad.sr.reference.grad_stats`); ``counter``, the seed
     counter whose micro-step picks the rows that follow it (None: there are none);
-    ``micro_steps``, the most micro-steps a step has (a launch measures at micro-steps below it
-    only: each keeps its measurements until the step ends); ``jobs``, what the bound launches
+    ``micro_steps``, the most micro-steps a step has (the rows of micro-steps below it are
+    measured, each launch keeping its measurements until the step ends); ``jobs``, what the bound launches
     registered (the backend's own records), which the launch :meth:`Kernels.bind_stats_finish`
     makes writes into ``out``. ``lowgrad.ops.stats_sink`` makes one, checked."""
 

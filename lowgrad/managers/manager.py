@@ -486,14 +486,16 @@ class GradientManager(ABC):
             write(h)
         # the old rows are dropped, not closed: a graph captured before holds them (its replays are
         # refused from now on: _replay_check), and an unresolved reading its host buffer
-        old = self._stats, self._gathered, self._rows, self._step_pass, self._step_sink, self._host_rows
+        before = self.__dict__.copy()
         self._stats, self._gathered, self._rows = out, gathered, rows
         self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
         try:
             self._bind_stats()
-        except BaseException:  # e.g. out of memory for the slots: the manager keeps the rows it had
-            self._stats, self._gathered, self._rows, self._step_pass, self._step_sink, self._host_rows = old
-            self._bind_stats()
+        except BaseException:  # e.g. out of memory for the slots: the manager keeps what it had
+            # every attribute as before: the rows, the sink whose slots hold the completed step's
+            # measurements (stats() still finishes them), and each launch bound to it (a graph
+            # captured before still writes where that finish reads)
+            self.__dict__.update(before)
             raise
 
     def _bind_stats(self) -> None:
