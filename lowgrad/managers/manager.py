@@ -531,9 +531,10 @@ class GradientManager(ABC):
         Writes the rows of the step's micro-steps from what its launches measured, computes the
         accumulated gradient's row and gathers every rank's rows on ``stream``
         without blocking the host; a collective at world > 1 (every rank calls it). The manager
-        reuses the tensor: the next call, or the next step, overwrites it, ordered after
-        ``stream``'s work only when the next step runs on ``stream`` too (a read of the tensor on
-        another stream is the caller's to order; :meth:`read_stats` orders its copy itself).
+        reuses the tensor, and the next step the measurements this call reads: the next call, or
+        the next step, overwrites them, ordered after ``stream``'s work only when the next step
+        runs on ``stream`` too (a read of the tensor on another stream is the caller's to order;
+        :meth:`read_stats` orders its copy itself).
         Valid between steps, after a completed step (ProtocolError otherwise); ValueError for a
         manager made without ``stats=True``."""
         self._check_stats("stats", stream)
