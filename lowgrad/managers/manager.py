@@ -490,25 +490,15 @@ class GradientManager(ABC):
         self._stats, self._gathered, self._rows = out, gathered, rows
         self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
         try:
-            self._bind_stats()
+            self._sink = ops.stats_sink(out, self._counter, rows.capacity)
+            self._bind()  # the strategy's launches register in the sink (_stats_target)
+            self._finish = ops.bind_stats_finish(self._sink)  # what they measure in a step, into rows (stats())
         except BaseException:  # e.g. out of memory for the slots: the manager keeps what it had
             # every attribute as before: the rows, the sink whose slots hold the completed step's
             # measurements (stats() still finishes them), and each launch bound to it (a graph
             # captured before still writes where that finish reads)
             self.__dict__.update(before)
             raise
-
-    def _bind_stats(self) -> None:
-        """Bind the strategy's launches, and the finish that turns what they measured in a step
-        into its rows (run by :meth:`stats`), to a fresh sink of the current rows (none without
-        rows)."""
-        rows = self._rows
-        self._sink = None if self._stats is None or rows is None else \
-            ops.stats_sink(self._stats, self._counter, rows.capacity)
-        self._finish = None
-        self._bind()  # the strategy's launches register in the sink (_stats_target)
-        if self._sink is not None:
-            self._finish = ops.bind_stats_finish(self._sink)
 
     def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
         """Check and pack the strategy's per-layer launches once (again when the statistics are
