@@ -7,19 +7,23 @@
 enum { ADD_UNROLL = 2, ADD_MIN_BLOCKS = 1 };
 
 // What a watch sees of each group (a's values x, b's values y, before they are added): see() in
-// full; or, in the fast path, before(u, ...) and, once the group is stored, after(u, b) with b's
-// group to read again.
+// full; or, in the fast path, before(u, ...) and, once the group is stored, after<SUM>(u, b,
+// sum_finite) with b's group to read again (SUM: sum_finite says whether the group's a + b was
+// finite, the add's own test).
 struct NoWatch {
   __device__ __forceinline__ void see(const float (&)[8], const float (&)[8]) {}
   __device__ __forceinline__ void before(int, const float (&)[8], const float (&)[8]) {}
-  template <typename B> __device__ __forceinline__ void after(int, const B*) {}
+  template <bool SUM, typename B> __device__ __forceinline__ void after(int, const B*, bool) {}
 };
 
 // the gradient statistics of b (and of a, when a.base is set) of one warp's groups (grad_stats.cuh).
 // In the fast path b's check for non-finite values waits until the group is stored: a branch on
 // the sum of squares right after it would stall the warp on the multiply-add chain, and a group
-// that needs the rare path reads its b values again (b is not written). a is written in place,
-// so its rare path cannot wait.
+// that needs the rare path reads its b values again (b is not written). Where the add tested its
+// sum (SUM) that test picks the path, one instruction per group less: a non-finite b makes a + b
+// non-finite, and rare() of finite values is maxabs8 with nothing counted, so a group sent to the
+// rare path by a or by an overflowing sum gets the same values. a is written in place, so its rare
+// path cannot wait.
 template <int U> struct StatsWatch {
   StatsStream b, a;
   float t[U], g[U];
@@ -32,8 +36,8 @@ template <int U> struct StatsWatch {
     g[u] = StatsAcc::maxabs8(y);
     if (a.base) a.acc.add8(x);
   }
-  template <typename B> __device__ __forceinline__ void after(int u, const B* p) {
-    if (!finite(t[u])) {
+  template <bool SUM, typename B> __device__ __forceinline__ void after(int u, const B* p, bool sum_finite) {
+    if (SUM ? !sum_finite : !finite(t[u])) {
       float y[8];
       load8<true>(p, GROUP_ELEMS, y);
       g[u] = b.acc.rare(y);
@@ -95,17 +99,20 @@ template <typename D, typename A, typename B> struct AddSr {
   // is not 0) folded into the noise's adds. The SR add issues close to the SM's instruction rate,
   // so each instruction per element costs time.
   template <int U, bool SHIFT, typename W> __device__ __forceinline__ void run_fast(const u64 (&e)[U], W& w) const {
+    constexpr bool SUM = rounds_sr((D*)nullptr);  // the SR store tests the sum
     float x[U][8], y[U][8];
+    bool sum_finite[U];
     load<U, true>(e, GROUP_ELEMS, x, y);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       w.before(u, x[u], y[u]);
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[u][k] = __fadd_rn(x[u][k], y[u][k]);
-      if constexpr (rounds_sr((D*)nullptr)) {
+      sum_finite[u] = SUM && finite8(x[u]);
+      if constexpr (SUM) {
         const uint4 r = sr_words(rd.key, (offset + e[u]) >> 3);
         const u32 sh = rd.shift;
-        if (finite8(x[u]))
+        if (sum_finite[u])
           *reinterpret_cast<uint4*>(dst + e[u]) = make_uint4(
               pack_bf16x2_sr_finite<SHIFT>(x[u][0], x[u][1], r.x, sh),
               pack_bf16x2_sr_finite<SHIFT>(x[u][2], x[u][3], r.y, sh),
@@ -118,7 +125,7 @@ template <typename D, typename A, typename B> struct AddSr {
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) w.after(u, b + e[u]);
+    for (int u = 0; u < U; ++u) w.template after<SUM>(u, b + e[u], sum_finite[u]);
   }
 };
 
@@ -212,6 +219,8 @@ struct MultiAddSr {  // passed by value (__grid_constant__): 880 bytes of kernel
 template <typename D, typename A, typename B, bool STATS>
 __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
   __shared__ Rounding rds[MULTI_MAX];
+  // the statistics' micro-step read beside the roundings, so that its latency overlaps theirs
+  const bool measure_a = STATS && m.counter->micro == 1u;
   if (threadIdx.x < m.count)
     rds[threadIdx.x] = m.counter ? counter_rounding(m.counter, m.layer, (u32)m.seed[threadIdx.x])
                                  : seed_rounding(m.seed[threadIdx.x]);
@@ -226,7 +235,7 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
     // instead of 3, 7% slower in run 43)
     w.b.base = m.stats;
     w.b.warps = warps;
-    w.a.base = m.counter->micro == 1u ? m.stats : nullptr;  // the same in every thread
+    w.a.base = measure_a ? m.stats : nullptr;  // the same in every thread
     w.a.warps = warps + MULTI_MAX * STATS_WARPS;
   }
   u32 t = 0;
@@ -261,9 +270,9 @@ __device__ __forceinline__ void add_sr_multi(const MultiAddSr& m) {
     }
   }
   if constexpr (STATS) {
+    const u32 micro = m.counter->micro;  // read before the warps' last sums, which hide its latency
     w.b.advance(m.count);
     w.a.advance(m.count);
-    const u32 micro = m.counter->micro;
     w.b.base = micro - 1u < m.sets - 1u ? m.stats + (u64)micro * m.count * gridDim.x : nullptr;
     __syncthreads();
     w.b.flush(m.count);

@@ -161,6 +161,55 @@ def test_add_sr_multi_with_stats_measures_what_it_adds(gpu: lg.Device, dtypes: t
         np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(fused, again))  # run to run
 
 
+def fused_stats(dev: Any, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One SR add ``a + b`` with statistics at micro-step 2 on ``dev``: (the sum, b's row of
+    (sum of squares, non-finite count, largest finite |x|))."""
+    s = dev.stream()
+    counter = SeedCounter(dev, 3, 1, s, rounding="sr")
+    counter.next_micro(s.handle)
+    counter.next_micro(s.handle)
+    dst, grad = lg.from_numpy(a, dev, name="shard"), lg.from_numpy(b, dev, name="grad")
+    out = dev.alloc((3, 1, 3), lg.fp64, name="out")
+    lg.ops.fill_nan(out, s)
+    sink = lg.ops.stats_sink(out, counter)
+    lg.ops.bind_add_sr_multi([(dst, dst, grad, 0)], (counter, 0, [0]), stats=(sink, [0]))(s.handle)
+    counter.next_step(s.handle)
+    lg.ops.bind_stats_finish(sink)(s.handle)
+    s.synchronize()
+    return dst.numpy().copy(), out.numpy()[2, 0].copy()
+
+
+@pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32), (lg.fp32, lg.bf16), (lg.fp32, lg.fp32)],
+                         ids=lambda d: "-".join(t.name for t in d))
+def test_add_sr_multi_with_stats_groups_off_the_common_path(gpu: lg.Device, dtypes: tuple[lg.DType, lg.DType]) -> None:
+    """The fused kernel's fast path sends a group to its rare path on the add's own finiteness test
+    where the shard is bf16 (a non-finite b makes a + b non-finite), else on b's sum of squares.
+    Groups that take it for another reason measure b as the common path does: a NaN or Inf in
+    the shard, a sum a + b that overflows, and b's squares that overflow (sum of squares +Inf,
+    nothing counted). The count and the largest |x| are the reference's, as on the host backend;
+    the sum of squares is +Inf (float32 squares overflow, docs/diagnostics.md); the sums' bits
+    equal the host backend's."""
+    d_dt, b_dt = dtypes
+    n = 1 << 16  # whole chunks: every group below goes through the fast path
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    a[8 * 3 + 1], a[8 * 5 + 2] = np.nan, np.inf  # non-finite shard, finite b
+    a[8 * 7], b[8 * 7] = 3e38, 3e38  # a + b overflows; b's largest finite |x|
+    b[8 * 11 + 4] = 2e30  # its square overflows; a + b is finite
+    a, b = a.astype(d_dt.np), b.astype(b_dt.np)
+    for inf_in_b in (False, True):
+        b[8 * 13 + 6] = -np.inf if inf_in_b else 0.0  # counted
+        (dev_sum, dev_row), (host_sum, host_row) = fused_stats(gpu, a, b), fused_stats(lg.HostDevice(), a, b)
+        ref = lg.reference.grad_stats(b)
+        assert ref[1:] == (int(inf_in_b), float(b[8 * 7])) and tuple(host_row) == ref
+        assert (dev_row[1], dev_row[2]) == ref[1:], (inf_in_b, dev_row, ref)
+        assert dev_row[0] == np.inf, (inf_in_b, dev_row)  # float32 squares of |x| >= 1.8e19 overflow
+        nan = np.isnan(dev_sum.astype(np.float64))
+        assert np.array_equal(nan, np.isnan(host_sum.astype(np.float64))) and nan[8 * 3 + 1]
+        assert np.array_equal(dev_sum[~nan].view(np.uint8), host_sum[~nan].view(np.uint8))
+
+
 @pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32)], ids=lambda d: "-".join(t.name for t in d))
 def test_add_sr_multi_with_stats_keeps_the_plain_kernels_occupancy(gpu: lg.Device,
                                                                    dtypes: tuple[lg.DType, lg.DType]) -> None:
