@@ -3,9 +3,8 @@
 //
 // Each thread sums its elements' squares in float32, a group of 8 at a time (StatsAcc::add8) in the
 // order it visits them; each warp keeps its lanes' values for the tensor in hand and, when the block
-// moves on to the next tensor of the launch, combines them into its entry of the block's shared
-// table (StatsStream): the sums of squares by a fixed tree (lanes i and i + h for h = 16 .. 1), the
-// counts and maxima by one warp reduction each (exact in any order). No barrier while the
+// moves on to the next tensor of the launch, combines them by a fixed tree (lanes i and i + h for
+// h = 16 .. 1) into its entry of the block's shared table (StatsStream). No barrier while the
 // accumulation kernel streams: one at its end, after which thread t adds tensor t's warp entries in
 // warp order into one StatsPartial slot, t * gridDim.x + block from the base of the launch's slot
 // set (StatsStream::base: the micro-step's set). Every block writes a slot for every tensor of its
@@ -75,12 +74,17 @@ struct StatsStream {
   StatsAcc acc;
 
   __device__ __forceinline__ void write() {
-    float s = acc.s;
+    float s = acc.s, m = acc.m;
+    u32 c = acc.c;
 #pragma unroll
-    for (u32 h = 16; h > 0; h >>= 1) s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, h));
-    // the count and the max in one warp reduction each (a max of values >= 0 orders as their bits)
-    const u32 c = __reduce_add_sync(0xffffffffu, acc.c);
-    const float m = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(acc.m)));
+    for (u32 h = 16; h > 0; h >>= 1) {
+      s = __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, h));
+      m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, h));
+    }
+    if (__any_sync(0xffffffffu, c != 0u)) {  // non-finite values are rare: their sum is usually skipped
+#pragma unroll
+      for (u32 h = 16; h > 0; h >>= 1) c += __shfl_down_sync(0xffffffffu, c, h);
+    }
     if ((threadIdx.x & 31u) == 0) warps[done * STATS_WARPS + (threadIdx.x >> 5)] = StatsPartial{s, c, m, 0u};
     acc = StatsAcc{};
     ++done;
