@@ -21,9 +21,10 @@ struct NoWatch {
 // the sum of squares right after it would stall the warp on the multiply-add chain, and a group
 // that needs the rare path reads its b values again (b is not written). Where the add tested its
 // sum (SUM) that test picks the path, one instruction per group less: a non-finite b makes a + b
-// non-finite, and rare() of finite values is maxabs8 with nothing counted, so a group sent to the
-// rare path by a or by an overflowing sum gets the same values. a is written in place, so its rare
-// path cannot wait.
+// non-finite, and rare() of finite values is maxabs8 with nothing counted, so the values are the
+// same both ways for the groups the two tests route differently: a finite b sent to the rare path
+// by a non-finite a or an overflowing sum, and a finite b whose squares overflow (t = +Inf) kept on
+// the common path by a finite sum. a is written in place, so its rare path cannot wait.
 template <int U> struct StatsWatch {
   StatsStream b, a;
   float t[U], g[U];

@@ -32,7 +32,8 @@ struct StatsAcc {  // one thread's statistics of the current tensor
   // sum of squares t (fused multiply-adds in element order) and largest |x| g, then fold(t, g).
   // t is finite exactly when every value is (short of an overflow of finite squares), so the
   // non-finite count and the largest *finite* |x| are worked out (rare()) only for a group whose t
-  // is not: the common group costs two instructions per value. The statistics ride inside the SR
+  // is not (in the SR add's fast path into bf16: whose sum a + b is not, add_sr.cu): the common
+  // group costs two instructions per value. The statistics ride inside the SR
   // add, which issues close to the SM's instruction rate.
   static __device__ __forceinline__ float sumsq8(const float (&v)[8]) {
     float t = __fmul_rn(v[0], v[0]);
@@ -44,7 +45,8 @@ struct StatsAcc {  // one thread's statistics of the current tensor
     return fmaxf(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
                  fmaxf(fmaxf(fabsf(v[4]), fabsf(v[5])), fmaxf(fabsf(v[6]), fabsf(v[7]))));
   }
-  // the largest finite |x| of a group with a non-finite t, counting its non-finite values
+  // the largest finite |x| of a group that may hold non-finite values, counting them (for finite
+  // values: maxabs8, nothing counted)
   __device__ __forceinline__ float rare(const float (&v)[8]) {
     float g = 0.0f;
 #pragma unroll

@@ -161,53 +161,80 @@ def test_add_sr_multi_with_stats_measures_what_it_adds(gpu: lg.Device, dtypes: t
         np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(fused, again))  # run to run
 
 
-def fused_stats(dev: Any, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One SR add ``a + b`` with statistics at micro-step 2 on ``dev``: (the sum, b's row of
-    (sum of squares, non-finite count, largest finite |x|))."""
+def fused_stats(dev: Any, pairs: list[tuple[np.ndarray, np.ndarray]],
+                rounding: str) -> tuple[list[np.ndarray], np.ndarray]:
+    """One launch of the fused SR add ``a += b`` over every pair, at micro-step 2 on ``dev``: (the
+    sums, b's rows of (sum of squares, non-finite count, largest finite |x|), one per pair)."""
     s = dev.stream()
-    counter = SeedCounter(dev, 3, 1, s, rounding="sr")
+    counter = SeedCounter(dev, 3, 1, s, rounding=rounding)
     counter.next_micro(s.handle)
     counter.next_micro(s.handle)
-    dst, grad = lg.from_numpy(a, dev, name="shard"), lg.from_numpy(b, dev, name="grad")
-    out = dev.alloc((3, 1, 3), lg.fp64, name="out")
+    dsts = [lg.from_numpy(a, dev, name="shard") for a, _ in pairs]
+    grads = [lg.from_numpy(b, dev, name="grad") for _, b in pairs]
+    out = dev.alloc((3, len(pairs), 3), lg.fp64, name="out")
     lg.ops.fill_nan(out, s)
     sink = lg.ops.stats_sink(out, counter)
-    lg.ops.bind_add_sr_multi([(dst, dst, grad, 0)], (counter, 0, [0]), stats=(sink, [0]))(s.handle)
+    columns = list(range(len(pairs)))
+    lg.ops.bind_add_sr_multi([(d, d, g, 0) for d, g in zip(dsts, grads)], (counter, 0, [2 * i for i in columns]),
+                             stats=(sink, columns))(s.handle)
     counter.next_step(s.handle)
     lg.ops.bind_stats_finish(sink)(s.handle)
     s.synchronize()
-    return dst.numpy().copy(), out.numpy()[2, 0].copy()
+    return [d.numpy().copy() for d in dsts], out.numpy()[2].copy()
 
 
+@pytest.mark.parametrize("rounding", ["sr", "ldsr"])
 @pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32), (lg.fp32, lg.bf16), (lg.fp32, lg.fp32)],
                          ids=lambda d: "-".join(t.name for t in d))
-def test_add_sr_multi_with_stats_groups_off_the_common_path(gpu: lg.Device, dtypes: tuple[lg.DType, lg.DType]) -> None:
-    """The fused kernel's fast path sends a group to its rare path on the add's own finiteness test
-    where the shard is bf16 (a non-finite b makes a + b non-finite), else on b's sum of squares.
-    Groups that take it for another reason measure b as the common path does: a NaN or Inf in
-    the shard, a sum a + b that overflows, and b's squares that overflow (sum of squares +Inf,
-    nothing counted). The count and the largest |x| are the reference's, as on the host backend;
-    the sum of squares is +Inf (float32 squares overflow, docs/diagnostics.md); the sums' bits
-    equal the host backend's."""
+def test_add_sr_multi_with_stats_groups_off_the_common_path(gpu: lg.Device, dtypes: tuple[lg.DType, lg.DType],
+                                                           rounding: str) -> None:
+    """The fused kernel's fast path sends b's group to its rare path (which counts non-finite
+    values and finds the largest finite |x|) on the add's own finiteness test of a + b where the
+    shard is bf16, else on b's sum of squares. Each case in its own tensor of one launch, its
+    values in a thread's first or second group of a chunk: a NaN or Inf in the shard with b's
+    largest |x| in that group (the rare path must find it), a + b that overflows, b's squares
+    that overflow (a finite sum: the common path), a NaN and an Inf in b beside b's largest |x|.
+    The counts and maxima are the reference's; the sum of squares within 1e-5 of it, or +Inf where
+    float32 squares overflow (docs/diagnostics.md), NaN where b has a NaN; the sums' bits equal the
+    host backend's. SR and LDSR (the fast path with the noise's shift)."""
     d_dt, b_dt = dtypes
-    n = 1 << 16  # whole chunks: every group below goes through the fast path
+    n, second = 1 << 16, 8 * 256  # whole chunks (the fast path); a thread's second group: 256 groups on
     rng = np.random.default_rng(7)
-    a = rng.standard_normal(n).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
-    a[8 * 3 + 1], a[8 * 5 + 2] = np.nan, np.inf  # non-finite shard, finite b
-    a[8 * 7], b[8 * 7] = 3e38, 3e38  # a + b overflows; b's largest finite |x|
-    b[8 * 11 + 4] = 2e30  # its square overflows; a + b is finite
-    a, b = a.astype(d_dt.np), b.astype(b_dt.np)
-    for inf_in_b in (False, True):
-        b[8 * 13 + 6] = -np.inf if inf_in_b else 0.0  # counted
-        (dev_sum, dev_row), (host_sum, host_row) = fused_stats(gpu, a, b), fused_stats(lg.HostDevice(), a, b)
+    cases: dict[str, tuple[np.ndarray, np.ndarray, int, float]] = {}  # name: (a, b, count, largest |x|)
+
+    def case(name: str, count: int, largest: float, **at: tuple[int, float, float | None]) -> None:
+        a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        for i, x, y in at.values():
+            a[i] = x
+            if y is not None:
+                b[i] = y
+        cases[name] = (a.astype(d_dt.np), b.astype(b_dt.np), count, float(np.float32(largest).astype(b_dt.np)))
+    case("plain", 0, 0.0)
+    case("non-finite shard", 0, 7.25, nan=(8 * 3 + 1, np.nan, None), big=(8 * 3 + 6, 0.0, 7.25),
+         inf=(second + 8 * 5 + 2, np.inf, None))
+    case("a + b overflows", 0, 3e38, top=(second + 8 * 7, 3e38, 3e38))
+    case("b's squares overflow", 0, 2e30, top=(8 * 11 + 4, 0.0, 2e30))
+    case("non-finite b", 2, 6.5, inf=(second + 8 * 13 + 6, 0.0, -np.inf), big=(second + 8 * 13 + 1, 0.0, -6.5),
+         nan=(8 * 17 + 2, 0.0, np.nan))
+    pairs = [(a, b) for a, b, _, _ in cases.values()]
+    (dev_sums, dev_rows), (host_sums, host_rows) = fused_stats(gpu, pairs, rounding), \
+        fused_stats(lg.HostDevice(), pairs, rounding)
+    for (name, (_, b, count, largest)), dev, host, dev_sum, host_sum in zip(cases.items(), dev_rows, host_rows,
+                                                                           dev_sums, host_sums):
         ref = lg.reference.grad_stats(b)
-        assert ref[1:] == (int(inf_in_b), float(b[8 * 7])) and tuple(host_row) == ref
-        assert (dev_row[1], dev_row[2]) == ref[1:], (inf_in_b, dev_row, ref)
-        assert dev_row[0] == np.inf, (inf_in_b, dev_row)  # float32 squares of |x| >= 1.8e19 overflow
+        if name != "plain":
+            assert ref[1:] == (count, largest), (name, ref)  # the case is what it says
+        assert np.array_equal(host, ref, equal_nan=True) and (dev[1], dev[2]) == ref[1:], (name, rounding, dev, ref)
+        v = b.astype(np.float64)
+        if np.isnan(ref[0]):
+            assert np.isnan(dev[0]), (name, dev)
+        elif np.any(np.abs(v) >= 2.0 ** 64):  # float32 squares overflow
+            assert dev[0] == np.inf, (name, dev)
+        else:
+            assert abs(dev[0] - ref[0]) <= 1e-5 * ref[0], (name, dev, ref)
         nan = np.isnan(dev_sum.astype(np.float64))
-        assert np.array_equal(nan, np.isnan(host_sum.astype(np.float64))) and nan[8 * 3 + 1]
-        assert np.array_equal(dev_sum[~nan].view(np.uint8), host_sum[~nan].view(np.uint8))
+        assert np.array_equal(nan, np.isnan(host_sum.astype(np.float64))), name
+        assert np.array_equal(dev_sum[~nan].view(np.uint8), host_sum[~nan].view(np.uint8)), (name, rounding)
 
 
 @pytest.mark.parametrize("dtypes", [(lg.bf16, lg.bf16), (lg.bf16, lg.fp32)], ids=lambda d: "-".join(t.name for t in d))
