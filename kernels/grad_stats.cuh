@@ -9,8 +9,9 @@
 // warp order into one StatsPartial slot, t * gridDim.x + block from the base of the launch's slot
 // set (StatsStream::base: the micro-step's set). Every block writes a slot for every tensor of its
 // launch (zeros for a tensor it never reached), so tensor t's statistics are the gridDim.x
-// consecutive slots from t * gridDim.x of the set, which grad_stats_finish sums in a fixed order. The order of every addition is fixed by the launch
-// shape, which is the same from run to run on a GPU (the persistent grid is the resident one).
+// consecutive slots from t * gridDim.x of the set, which grad_stats_finish sums in a fixed order.
+// The order of every addition is fixed by the launch shape, which is the same from run to run on a
+// GPU (the persistent grid is the resident one).
 #pragma once
 #include "sr.cuh"
 
@@ -33,8 +34,8 @@ struct StatsAcc {  // one thread's statistics of the current tensor
   // t is finite exactly when every value is (short of an overflow of finite squares), so the
   // non-finite count and the largest *finite* |x| are worked out (rare()) only for a group whose t
   // is not (in the SR add's fast path into bf16: whose sum a + b is not, add_sr.cu): the common
-  // group costs two instructions per value. The statistics ride inside the SR
-  // add, which issues close to the SM's instruction rate.
+  // group costs two instructions per value. The statistics ride inside the SR add, which issues
+  // close to the SM's instruction rate.
   static __device__ __forceinline__ float sumsq8(const float (&v)[8]) {
     float t = __fmul_rn(v[0], v[0]);
 #pragma unroll
