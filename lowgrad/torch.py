@@ -385,8 +385,9 @@ class Attached:
         float64; ``finite`` False (and the coefficient 0) for a non-finite norm. A coefficient
         of 0 does not make an optimizer step a no-op (AdamW's moments decay and its weight decay
         still moves the weights; NaN times 0 is NaN): skip such a step, as
-        :meth:`ShardOptimizer.step` does."""
-        max_norm = _check_max_norm(max_norm)
+        :meth:`ShardOptimizer.step` does. ``max_norm`` and ``eps`` must be finite numbers > 0
+        (TypeError for a bool or a non-number, ValueError otherwise)."""
+        max_norm, eps = _positive_finite("max_norm", max_norm), _positive_finite("eps", eps)
         norm = self.grad_norm_squared().to(torch.float64).reshape(()).sqrt()
         finite = torch.isfinite(norm)
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
@@ -439,10 +440,15 @@ def _torch_dtype(gm: Any) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[gm.dtype.name]
 
 
-def _check_max_norm(max_norm: Any) -> float:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a positive finite number, got {max_norm!r}")
-    return float(max_norm)
+def _positive_finite(what: str, value: Any) -> float:
+    """``value`` as a float: TypeError unless an int or float (not a bool), ValueError unless
+    finite and > 0 (``max_norm`` and ``eps``: 0, a negative, NaN or inf would divide by zero, flip
+    the update's sign or turn clipping off without a word)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a positive finite number, got {type(value).__name__} {value!r}")
+    if not 0 < value < math.inf:  # False for NaN too
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -517,17 +523,22 @@ class ShardOptimizer:
         it raises instead); ProtocolError, with nothing changed, when no step has completed since
         the last call. With ``max_norm`` the gradients are first scaled by ``min(1,
         max_norm / (norm + eps))``, computed in float64 as :meth:`Attached.clip_coefficient`.
+        ``max_norm`` and ``eps`` must be finite numbers > 0 (TypeError for a bool or a non-number,
+        ValueError otherwise), checked before anything is read or counted: a corrected call
+        afterwards applies the step.
 
         Reads the norm on the host: one sync per step, as ``GradScaler`` makes (the host waits
         for backward to finish; every rank gets the same norm from the same all-reduce, so every
         rank takes the same branch)."""
-        if max_norm is not None:
-            max_norm = _check_max_norm(max_norm)
+        if max_norm is not None:  # every argument checked before anything is read or counted
+            max_norm = _positive_finite("max_norm", max_norm)
+        eps = _positive_finite("eps", eps)
         att = self.attached
         if att.gm.step == self._stepped:  # the shards still hold the step already applied (or skipped)
             raise ProtocolError(f"ShardOptimizer.step: no step has completed since the last call (the manager is "
                                 f"at step {att.gm.step}): its gradients would be applied twice")
         norm = math.sqrt(float(att.grad_norm_squared()))  # float64 from the float32 sum of squares
+        coef = 1.0 if max_norm is None or not math.isfinite(norm) else min(1.0, max_norm / (norm + eps))
         self.last_norm, self._stepped = norm, att.gm.step
         if not math.isfinite(norm):
             self.skipped_steps += 1
@@ -541,10 +552,8 @@ class ShardOptimizer:
         shards.extend(att.non_block_shard(n) for n, _ in att.non_block_params)
         dtype = torch.float32 if self.master_weights else shards[0].dtype
         grads = [s.to(dtype, copy=True) for s in shards]  # the optimizer may change its gradients
-        if max_norm is not None:
-            coef = min(1.0, max_norm / (norm + eps))
-            if coef < 1.0:
-                torch._foreach_mul_(grads, torch.tensor(coef, dtype=torch.float32, device=grads[0].device))
+        if coef < 1.0:
+            torch._foreach_mul_(grads, torch.tensor(coef, dtype=torch.float32, device=grads[0].device))
         for param, grad in zip(self.params, grads):
             param.grad = grad
         self.optimizer.step()

@@ -157,6 +157,49 @@ def test_non_finite_step_changes_nothing_and_raise_policy() -> None:
     lg.run_threads(2, job, backend="host")
 
 
+BAD_EPS: list[tuple[Any, type[Exception]]] = [(0.0, ValueError), (0, ValueError), (-1.0, ValueError),
+                                              (float("nan"), ValueError), (float("inf"), ValueError),
+                                              (True, TypeError), ("1e-6", TypeError), (None, TypeError)]
+
+
+def test_bad_eps_and_max_norm_are_refused_before_the_step_is_counted() -> None:
+    """eps=0 with an all-zero gradient divided by zero after the step was counted; eps=nan turned
+    clipping off; eps=-1 flipped the update. Each bad eps (and a bool/str max_norm) is refused
+    with nothing changed, in step() and clip_coefficient(); the corrected call then applies the
+    step, counted once."""
+    def job(c: Any) -> None:
+        model = Tiny()
+        att = attach(model, c)
+        opt = ShardOptimizer(att, **KW)
+        with att.micro_step(0, 1):
+            (loss(model, c.rank, 0) * 0.0).backward()  # an all-zero gradient: norm 0
+        assert float(att.grad_norm_squared()) == 0.0
+        before = state(model, opt)
+        for eps, exc in BAD_EPS:
+            with pytest.raises(exc, match="eps"):
+                opt.step(max_norm=1.0, eps=eps)
+            with pytest.raises(exc, match="eps"):
+                att.clip_coefficient(1.0, eps=eps)
+        for bad in (True, "1", None):
+            with pytest.raises(TypeError, match="max_norm"):
+                att.clip_coefficient(bad)
+        for bad in (True, "1"):
+            with pytest.raises(TypeError, match="max_norm"):
+                opt.step(max_norm=bad)
+        assert same(state(model, opt), before) and opt.skipped_steps == 0 and np.isnan(opt.last_norm)
+        assert opt.step(max_norm=1.0, eps=1e-6) is True  # the corrected retry: the step was not counted
+        assert opt.last_norm == 0.0 and opt.optimizer.state[opt.params[0]]["step"].item() == 1
+        with pytest.raises(ProtocolError, match="no step has completed"):
+            opt.step(max_norm=1.0)
+        with att.micro_step(0, 1):
+            loss(model, c.rank, 1).backward()
+        coef, finite = att.clip_coefficient(1e-3, eps=1e-6)
+        assert bool(finite) and 0 < float(coef) < 1  # clipping on: a NaN eps can no longer turn it off
+        opt.close()
+        att.close()
+    lg.run_threads(1, job, backend="host")
+
+
 def test_stale_gradients_are_refused_and_a_refused_backward_leaves_nothing() -> None:
     def job(c: Any) -> None:
         model = Tiny()
