@@ -380,6 +380,27 @@ def test_grad_norm_squared() -> None:
         assert got == pytest.approx(total, rel=1e-5)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy,offload", STRATS)
+def test_grad_norm_squared_of_no_parameters_is_zero(world: int, strategy: str, offload: bool) -> None:
+    """A manager with no parameters sums no squares: its norm is 0.0 every step, not the bytes
+    its tensor held (here NaN written into it between the steps)."""
+    layout = lg.Layout(block=(), non_block=(), num_layers=2)
+
+    def job(c: Any) -> list[float]:
+        gm = lg.create_gradient_manager(layout, c, strategy=strategy, offload=offload)
+        out = []
+        for step in range(2):
+            drive(c, layout, strategy, offload, 2, gm=gm, first_step=step)
+            norm = gm.grad_norm_squared()
+            out.append(float(norm.numpy()[0]))
+            lg.ops.fill_nan(norm)  # what a stale read would return next step
+        gm.close()
+        return out
+
+    assert lg.run_threads(world, job) == [[0.0, 0.0]] * world
+
+
 def test_bind_add_sr_multi_host_equals_separate_calls_and_checks() -> None:
     h = lg.HostDevice()
     rng = np.random.default_rng(3)

@@ -459,7 +459,10 @@ class GradientManager(ABC):
         step (ProtocolError otherwise); a collective: every rank calls it."""
         self._check_readable("grad_norm_squared", stream)
         self._wait(self._comm_done, stream)
-        for i, t in enumerate(self.shards()):
+        shards = self.shards()
+        if not shards:  # no parameters: the norm is 0, not what the tensor held before
+            ops.fill_zero(self._norm, stream)
+        for i, t in enumerate(shards):
             ops.norm_squared(t, self._norm, accumulate=i > 0, stream=stream)
         self.comm.all_reduce(self._norm, op="sum", stream=stream)
         return self._norm
