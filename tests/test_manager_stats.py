@@ -170,9 +170,18 @@ def test_step_stats_checks_names_before_the_collective() -> None:
         before = rows.numpy().copy()
         names = tuple(gm.step_stats().names)
         lg.ops.fill_nan(rows)  # any new measurement would overwrite these
-        for bad in (("only-one",), names[:-1] + (names[0],), "".join(names), names[:-1] + ("",)):
+        for bad in (("only-one",), names[:-1] + (names[0],), names[:-1] + ("",), [*names, "extra"]):
             with pytest.raises(ValueError, match="distinct non-empty strings"):
-                gm.step_stats(names=bad)  # type: ignore[arg-type]
+                gm.step_stats(names=bad)
+        for wrong, said in ((7, "names must be a list or tuple"), ("".join(names), "names must be a list or tuple"),
+                            ({n: 0 for n in names}, "names must be a list or tuple"),
+                            (iter(names), "names must be a list or tuple"), (b"x", "names must be a list or tuple"),
+                            ((*names[:-1], 3), rf"names\[{len(names) - 1}\] must be a str"),
+                            ([None] * len(names), r"names\[0\] must be a str")):
+            with pytest.raises(TypeError, match=said):  # a clear error naming the argument, not a raw one
+                gm.step_stats(names=wrong)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=said):
+                gm.read_stats(names=wrong)  # type: ignore[arg-type]
         assert np.isnan(rows.numpy()).all()  # nothing measured, nothing gathered
         renamed = tuple(f"p{i}" for i in range(len(names)))
         got = gm.step_stats(names=renamed)

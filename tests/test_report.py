@@ -75,7 +75,9 @@ def test_world_1_unsharded_and_one_micro_step() -> None:
 @pytest.mark.parametrize("change,error,match", [
     (dict(names=NAMES[:-1]), ValueError, "6 layers"),
     (dict(names=[*NAMES[:-1], "embed"]), ValueError, "distinct"),
-    (dict(names="embed"), TypeError, "one string"),
+    (dict(names="embed"), TypeError, "names must be a list or tuple"),
+    (dict(names=7), TypeError, "names must be a list or tuple .* got int 7"),
+    (dict(names=[*NAMES[:-1], 5]), TypeError, r"names\[5\] must be a str"),
     (dict(layers=[0, -1, 0, 0, 1, 1]), ValueError, "layout order"),
     (dict(layers=[-2, -1, 0, 0, 1, 1]), ValueError, "layout order"),
     (dict(layers=[-1, -1, 0, 0, 1.0, 1]), TypeError, "a layer"),

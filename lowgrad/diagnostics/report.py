@@ -122,6 +122,23 @@ def _positive(what: str, value: object) -> int:
     return n
 
 
+def check_names(what: str, names: Any, count: int | None = None) -> tuple[str, ...]:
+    """``names`` (parameter names, one per column) as a tuple: TypeError naming ``what`` unless a
+    list or tuple of str (one string is not a sequence of names); ValueError unless they are
+    distinct, non-empty, at least one and, given ``count``, ``count`` of them."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise TypeError(f"{what} must be a list or tuple of parameter names (str), got {type(names).__name__} "
+                        f"{names!r:.80}")
+    out = tuple(names)
+    for i, n in enumerate(out):
+        if not isinstance(n, str):
+            raise TypeError(f"{what}[{i}] must be a str (a parameter name), got {type(n).__name__} {n!r:.80}")
+    want = "at least one" if count is None else f"{count}, one per column"
+    if not out or not all(out) or len(set(out)) != len(out) or count is not None and len(out) != count:
+        raise ValueError(f"{what} must be distinct non-empty strings, {want}; got {len(out)}")
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepStats:
     """One step's statistics (the module's docstring says what each field holds); every field is
@@ -142,11 +159,7 @@ class StepStats:
     micro_steps: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.names, str):
-            raise TypeError("names must be a sequence of parameter names, not one string")
-        names, layers = tuple(self.names), tuple(integer("a layer", x) for x in self.layers)
-        if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
-            raise ValueError("names must be distinct non-empty strings, at least one")
+        names, layers = check_names("names", self.names), tuple(integer("a layer", x) for x in self.layers)
         if len(layers) != len(names):
             raise ValueError(f"{len(names)} names but {len(layers)} layers")
         if min(layers) < -1 or any(b < a for a, b in zip(layers, layers[1:])):

@@ -51,7 +51,7 @@ from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
-from lowgrad.diagnostics.report import StepStats
+from lowgrad.diagnostics.report import StepStats, check_names
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
@@ -546,10 +546,7 @@ class GradientManager(ABC):
         rows, host = self._rows, self._host_rows
         assert rows is not None and host is not None, "a completed step allocated the statistics"
         if names is not None:
-            columns = rows.columns
-            if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
-                    or len(set(names)) != columns:
-                raise ValueError(f"read_stats: names must be {columns} distinct non-empty strings, one per column")
+            names = check_names("read_stats: names", names, rows.columns)
         capture.forbid("read_stats (a copy to the host)")
         ops.copy(host.tensor, self._gather_stats(stream), stream)
         host.event.record(stream)
