@@ -91,12 +91,39 @@ def test_pngs(tmp_path: Path) -> None:
         assert f"wrote {out / name}" in proc.stdout
 
 
-@pytest.mark.parametrize("text,why", [(None, "No such file"), ("", "no steps in it"), ("x\n", ":1: not JSON"),
-                                      ('{"format": 1, "step": 3}\n', "a line lacks what the format has")])
+def _malformed(path: Path, change: str) -> str:
+    """A well-formed log of 5 steps, then line 3 changed by ``change`` (Python run on ``r``)."""
+    write_log(path, steps=5, bad_step=1)
+    lines = path.read_text().splitlines()
+    r = json.loads(lines[2])
+    exec(change, {"r": r})
+    lines[2] = json.dumps(r)  # a NaN goes out as the token NaN, which json reads back
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text,why", [
+    (None, "No such file"), ("", "no steps in it"), ("x\n", ":1: not JSON"),
+    ('{"format": 1, "step": 3}\n', ":1: rank is missing"),
+    ("r['global']['noise']['b_simple'] = 'big'", ":3: global.noise.b_simple must be a finite number or null, got 'big'"),
+    ("r['global']['noise']['b_simple'] = float('nan')", ":3: global.noise.b_simple must be a finite number or null"),
+    ("r['global']['norm'] = float('inf')", ":3: global.norm must be a finite number >= 0 or null, got inf"),
+    ("del r['layers'][0]['norm']", ":3: layers[0].norm is missing"),
+    ("r['layers'][1]['layer'] = '0'", ":3: layers[1].layer must be an integer >= -1, got '0'"),
+    ("r['layers'] = None", ":3: layers must be a list, got None"),
+    ("r['global']['noise'] = []", ":3: global.noise must be a JSON object, got []"),
+    ("r['skipped'] = 'no'", ":3: skipped must be true or false"),
+    ("r['world'] = 2.0", ":3: world must be an integer >= 1, got 2.0"),
+    ("r['nonfinite'] = {'message': 'x'}", ":3: nonfinite.step is missing"),
+    ("del r['micro_steps']", ":3: micro_steps is missing"),
+    ("r['step'] = None", ":3: step must be an integer >= 0, got None")])
 def test_a_log_it_cannot_read_is_one_line(tmp_path: Path, text: str | None, why: str) -> None:
+    """Any malformed field, not only a malformed line, is one line naming it and exit 2."""
+    if text is not None and text.startswith(("r[", "del ")):
+        text = _malformed(tmp_path / "grad.jsonl", text)
     if text is not None:
         (tmp_path / "grad.jsonl").write_text(text)
     proc = run(["--log", "grad.jsonl"], tmp_path)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("grad_report: --log grad.jsonl: ")
     assert why in lines[0] and not (tmp_path / "grad_report").exists()
+

@@ -2,6 +2,7 @@
 the non-finite line on the ``lowgrad`` logger, and a full disk that does not stop training."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowgrad.diagnostics.log import StepLog, read_log
+from lowgrad.diagnostics.log import StepLog, read_log, step_record
+from lowgrad.diagnostics.noise_scale import NoiseScaleEMA
 from lowgrad.diagnostics.report import Stats, StepStats
 
 W, M, NAMES, LAYERS = 2, 4, ["embed", "layers.0.w", "layers.1.w"], [-1, 0, 1]
@@ -88,28 +90,76 @@ def test_appends_and_reads_an_unfinished_last_line(tmp_path: Path) -> None:
     assert [r["step"] for r in read_log(path)] == [0, 1]
 
 
-@pytest.mark.parametrize("text,match", [('{"format": 1}\nnot json\n{"format": 1}\n', ":2: not JSON"),
-                                        ('{"format": 2}\n', ":1: not a gradient log line of format 1"),
+def line(n: int = 0, bad: bool = False) -> str:
+    """One well-formed log line (per tensor, with a non-finite report when ``bad``)."""
+    return json.dumps(step_record(step(n, bad=bad), skipped=bad, ema=NoiseScaleEMA(0.9), per_tensor=True))
+
+
+@pytest.mark.parametrize("text,match", [("{0}\nnot json\n{0}\n", ":2: not JSON"),
+                                        ('{{"format": 2}}\n', ":1: not a gradient log line of format 1"),
+                                        ('{{"format": true}}\n', ":1: not a gradient log line of format 1"),
                                         ('[1]\n', ":1: not a gradient log line")])
 def test_bad_lines(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "grad.jsonl"
-    path.write_text(text)
+    path.write_text(text.format(line()))
     with pytest.raises(ValueError, match=match):
         read_log(path)
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
-def test_full_disk_warns_once_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    log = StepLog("/dev/full", rank=0)
-    with caplog.at_level(logging.WARNING, logger="lowgrad"):
-        records = [log.record(step(n), skipped=False) for n in range(3)]
-    assert [r["step"] for r in records] == [0, 1, 2]
-    (warning,) = caplog.records
-    assert "gradient log /dev/full: writing step 0 failed" in warning.getMessage()
-    assert "No space left" in warning.getMessage()
-    log.close()
+def _set(record: dict, path: str, value: object) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        record = record[int(key)] if isinstance(record, list) else record[key]
+    if value is DELETE:
+        del record[last]
+    elif isinstance(record, list):
+        record[int(last)] = value
+    else:
+        record[last] = value
 
 
-def test_a_path_that_cannot_be_opened_raises_at_once(tmp_path: Path) -> None:
-    with pytest.raises(OSError):
-        StepLog(tmp_path / "missing" / "grad.jsonl", rank=0)
+DELETE = object()
+NAN = float("nan")
+MALFORMED = [("global.noise.b_simple", "x", "global.noise.b_simple must be a finite number or null, got 'x'"),
+             ("global.noise.b_simple", NAN, "global.noise.b_simple must be a finite number or null, got nan"),
+             ("global.noise.ema.g2", [1], r"global.noise.ema.g2 must be a finite number or null"),
+             ("global.noise.ema", 3, "global.noise.ema must be a JSON object"),
+             ("global.noise", DELETE, "global.noise is missing"),
+             ("global.norm", -1.0, "global.norm must be a finite number >= 0 or null"),
+             ("global.norm", float("inf"), "global.norm must be a finite number >= 0 or null"),
+             ("global.nonfinite", 1.5, "global.nonfinite must be an integer >= 0"),
+             ("global.maxabs", None, "global.maxabs must be a finite number >= 0, got None"),
+             ("global", None, "global must be a JSON object"),
+             ("step", "7", "step must be an integer >= 0"), ("step", True, "step must be an integer"),
+             ("step", DELETE, "step is missing"), ("rank", 5, "rank must be below world 2"),
+             ("world", 0, "world must be an integer >= 1"), ("micro_steps", None, "micro_steps must be"),
+             ("batch.local", 0, "batch.local must be an integer >= 1"), ("batch", [], "batch must be a JSON object"),
+             ("skipped", 1, "skipped must be true or false"), ("layers", {}, "layers must be a list"),
+             ("layers.1.layer", -2, r"layers\[1\].layer must be an integer >= -1"),
+             ("layers.0.noise_local", "big", r"layers\[0\].noise_local must be a JSON object"),
+             ("layers.2", 7, r"layers\[2\] must be a JSON object"),
+             ("tensors.0.name", "", r"tensors\[0\].name must be a non-empty string"),
+             ("tensors.1.micro_norms.2", "x", r"tensors\[1\].micro_norms\[2\] must be a finite number"),
+             ("tensors.1.micro_norms", 3, r"tensors\[1\].micro_norms must be a list"),
+             ("tensors.2.maxabs", DELETE, r"tensors\[2\].maxabs is missing"),
+             ("nonfinite", DELETE, "nonfinite is missing"), ("nonfinite", "x", "nonfinite must be a JSON object"),
+             ("nonfinite.message", 5, "nonfinite.message must be a non-empty string"),
+             ("nonfinite.source", "disk", "nonfinite.source must be local, micro or step"),
+             ("nonfinite.micro_step", -1, "nonfinite.micro_step must be an integer >= 0"),
+             ("nonfinite.count", 0, "nonfinite.count must be an integer >= 1"),
+             ("nonfinite.world", DELETE, "nonfinite.world is missing")]
+
+
+@pytest.mark.parametrize("field,value,match", MALFORMED)
+def test_every_malformed_field_is_named(tmp_path: Path, field: str, value: object, match: str) -> None:
+    """read_log checks each field of each record once, for every reader (tools/grad_report.py):
+    a ValueError naming the line and the field, never a KeyError or TypeError later."""
+    bad = field.startswith("nonfinite.")  # a step with a non-finite report (and so no global noise scale)
+    record = json.loads(line(1, bad=bad))
+    _set(record, field, value)
+    path = tmp_path / "grad.jsonl"
+    path.write_text(line(0) + "\n" + json.dumps(record) + "\n")  # NaN written as the token NaN
+    with pytest.raises(ValueError, match=":2: " + match):
+        read_log(path)
+    path.write_text(line(0) + "\n" + line(1, bad=bad) + "\n")
+    assert len(read_log(path)) == 2  # the same record well-formed reads
