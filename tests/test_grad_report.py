@@ -127,3 +127,17 @@ def test_a_log_it_cannot_read_is_one_line(tmp_path: Path, text: str | None, why:
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("grad_report: --log grad.jsonl: ")
     assert why in lines[0] and not (tmp_path / "grad_report").exists()
 
+
+def test_a_log_cut_by_a_crash_and_resumed_reads_with_the_cut_line_named(tmp_path: Path) -> None:
+    """Killed in the middle of step 104's line, resumed at step 104: every step is reported; the
+    cut line is named on stderr."""
+    path = tmp_path / "grad.jsonl"
+    write_log(path, steps=5)
+    text = path.read_bytes()
+    start = text.rstrip(b"\n").rfind(b"\n") + 1
+    os.truncate(path, start + (len(text) - start) // 2)
+    write_log(path, steps=8)  # the resumed run (its StepLog appends), from step 100 again
+    proc = run(["--log", str(path)], tmp_path, OUT=str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"grad_report: gradient log {path}:5: a line cut short by a crash" in proc.stderr
+    assert proc.stdout.startswith(f"12 steps (100..107) from {path}")

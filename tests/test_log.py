@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +99,7 @@ def line(n: int = 0, bad: bool = False) -> str:
 
 
 @pytest.mark.parametrize("text,match", [("{0}\nnot json\n{0}\n", ":2: not JSON"),
+                                        ("{0}\nnot json", ":2: not JSON"),  # not a cut record either
                                         ('{{"format": 2}}\n', ":1: not a gradient log line of format 1"),
                                         ('{{"format": true}}\n', ":1: not a gradient log line of format 1"),
                                         ('[1]\n', ":1: not a gradient log line")])
@@ -163,3 +167,85 @@ def test_every_malformed_field_is_named(tmp_path: Path, field: str, value: objec
         read_log(path)
     path.write_text(line(0) + "\n" + line(1, bad=bad) + "\n")
     assert len(read_log(path)) == 2  # the same record well-formed reads
+
+
+def cut_then_resume(path: Path, cut_at: int) -> None:
+    """Steps 0-2 logged, the run killed ``cut_at`` bytes into step 2's line, resumed from step 2."""
+    with StepLog(path, rank=0) as log:
+        for n in range(3):
+            log.record(step(n), skipped=False)
+    text = path.read_bytes()
+    start = text.rstrip(b"\n").rfind(b"\n") + 1  # where step 2's line begins
+    os.truncate(path, start + cut_at)  # the file as a kill in the middle of that write leaves it
+
+
+@pytest.mark.parametrize("cut_at", [1, 5, 20, 300])
+def test_a_log_cut_by_a_crash_then_resumed_reads_completely(tmp_path: Path, cut_at: int,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The resumed log starts on a whole line: only the cut line is lost, and it is named."""
+    path = tmp_path / "grad.jsonl"
+    cut_then_resume(path, cut_at)
+    cut = path.read_bytes().split(b"\n")[2]
+    with caplog.at_level(logging.WARNING, logger="lowgrad"):
+        assert [r["step"] for r in read_log(path)] == [0, 1]  # running or killed: the cut tail left out
+        assert not caplog.records
+        with StepLog(path, rank=0) as log:  # resumed: step 2 again, then 3
+            for n in (2, 3):
+                log.record(step(n), skipped=False)
+        assert "its last line was cut" in caplog.records[-1].getMessage()
+        caplog.clear()
+        assert [r["step"] for r in read_log(path)] == [0, 1, 2, 3]
+    assert path.read_bytes().split(b"\n")[2] == cut  # the evidence stays, on its own line
+    (warning,) = caplog.records
+    assert f"gradient log {path}:3: a line cut short by a crash ({cut_at} characters), left out" == warning.getMessage()
+    with StepLog(path, rank=0):  # a log that ends on a whole line gets nothing written at open
+        pass
+    assert [r["step"] for r in read_log(path)] == [0, 1, 2, 3]
+
+
+KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_log import step
+from lowgrad.diagnostics.log import StepLog
+log = StepLog({path!r}, rank=0)
+for n in range(3):
+    log.record(step(n), skipped=False)
+real = log._file.write
+def write(text):  # the kernel took part of step 3's line when the kill came
+    real(text[:len(text) // 2])
+    log._file.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+log._file.write = write
+log.record(step(3), skipped=False)
+"""
+
+
+def test_a_writer_killed_by_sigkill_then_resumed(tmp_path: Path) -> None:
+    path = tmp_path / "grad.jsonl"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER.format(tests=str(Path(__file__).parent),
+                                                                     path=str(path))],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not path.read_bytes().endswith(b"\n")
+    with StepLog(path, rank=0) as log:
+        for n in (3, 4):
+            log.record(step(n), skipped=False)
+    assert [r["step"] for r in read_log(path)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_full_disk_warns_once_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    log = StepLog("/dev/full", rank=0)
+    with caplog.at_level(logging.WARNING, logger="lowgrad"):
+        records = [log.record(step(n), skipped=False) for n in range(3)]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    (warning,) = caplog.records
+    assert "gradient log /dev/full: writing step 0 failed" in warning.getMessage()
+    assert "No space left" in warning.getMessage()
+    log.close()
+
+
+def test_a_path_that_cannot_be_opened_raises_at_once(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        StepLog(tmp_path / "missing" / "grad.jsonl", rank=0)

@@ -8,6 +8,7 @@ JSON, and with matplotlib (``pip install ".[plot]"``) three PNGs: per-layer norm
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rows < 1:
         p.error("--rows must be at least 1")
+    said = logging.StreamHandler(sys.stderr)  # read_log's warnings (a line cut by a crash, left out)
+    said.setFormatter(logging.Formatter(f"{NAME}: %(message)s"))
+    said.setLevel(logging.WARNING)
+    logging.getLogger("lowgrad").addHandler(said)
     try:
         records = read_log(a.log)  # every field checked: a malformed one is a ValueError naming the line and field
     except (OSError, ValueError) as exc:

@@ -9,7 +9,10 @@ A failed write (a full disk, a lost network mount) does not raise into the train
 says so once on the ``lowgrad`` logger (WARNING, with the error and the step), stops writing and
 the run goes on; diagnostics are not worth a crashed run, and a full disk is not the log's to
 fix. A path that cannot be opened raises at construction, before training starts. Each line is
-flushed as it is written, so a crashed run keeps its lines and a running one can be read.
+flushed as it is written, so a crashed run keeps its lines and a running one can be read. A run
+killed in the middle of a write leaves a cut last line; the resumed run's log ends it with a
+newline before it appends (a WARNING says so), and :func:`read_log` leaves that one line out, so
+a crashed-and-resumed run's log reads completely, less the cut line.
 
 A line (``format`` 1; non-finite numbers are written as null: the line is strict JSON)::
 
@@ -93,7 +96,26 @@ class StepLog:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         self.ema = NoiseScaleEMA(ema_decay)
         self.path, self.per_tensor = os.fspath(path), per_tensor
-        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8") if self.rank == 0 else None
+        self._file: IO[str] | None = None
+        if self.rank == 0:
+            self._file = open(self.path, "a", encoding="utf-8")
+            self._end_cut_line()
+
+    def _end_cut_line(self) -> None:
+        """A log whose last line has no newline was cut by a crash in the middle of a write: end
+        that line, so that this run's lines start on their own (the cut one stays in the file,
+        the evidence; :func:`read_log` leaves it out and names it)."""
+        assert self._file is not None
+        with open(self.path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return
+        logger.warning("gradient log %s: its last line was cut by a crash in the middle of a write; it is ended "
+                       "and left out when read, the run's lines go on after it", self.path)
+        self._file.write("\n")
+        self._file.flush()
 
     def record(self, stats: StepStats, *, skipped: bool) -> dict[str, Any]:
         """Log one step (``skipped``: whether the optimizer skipped it) and return its line as a
@@ -135,11 +157,24 @@ class StepLog:
         self.close()
 
 
+#: how every line starts (``json.dumps`` of a record whose first key is ``format``): a line that
+#: does not parse and starts so, or is the start of it, is a write cut short by a crash
+_HEAD = json.dumps({"format": FORMAT, "step": 0})[:-2]
+
+
+def _cut(line: str) -> bool:
+    """Whether ``line`` (which does not parse) is the start of a record: a write cut short."""
+    return line.startswith(_HEAD) or _HEAD.startswith(line)
+
+
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a gradient log, in order, each checked field by field (:func:`check_record`).
-    A last line without its newline that does not parse is left out (a run killed, or still
-    running, in the middle of a write); any other line that is not a well-formed record of this
-    format is a ValueError naming the line and the field."""
+    A line cut short by a crash in the middle of a write (the start of a record that does not
+    parse) is left out: the text after the last newline silently (a run killed, or still
+    running, in the middle of a write), one inside the file (a run killed there, then resumed:
+    :class:`StepLog` ends the cut line before it appends) with a WARNING on the ``lowgrad``
+    logger naming the line. Any other line that is not a well-formed record of this format is a
+    ValueError naming the line and the field."""
     where = os.fspath(path)
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
@@ -150,9 +185,12 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            if number == len(lines):  # the text after the last newline: an unfinished write
-                break
-            raise ValueError(f"{where}:{number}: not JSON ({exc})") from None
+            if not _cut(line):
+                raise ValueError(f"{where}:{number}: not JSON ({exc})") from None
+            if number < len(lines):  # the last one may be a write still under way
+                logger.warning("gradient log %s:%d: a line cut short by a crash (%d characters), left out",
+                               where, number, len(line))
+            continue
         try:
             records.append(check_record(record))
         except ValueError as exc:
