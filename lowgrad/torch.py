@@ -162,7 +162,7 @@ class Attached:
         self._params = params
         self._cuda = params[0].device if params[0].is_cuda else None  # where PyTorch's streams are
         self._snapshot = self._param_signature()
-        self._views: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._views: dict[tuple[int, tuple[int, ...], str], torch.Tensor] = {}
         self._stream: Any = None
         self._seen: set[int] = set()  # the parameters whose gradient arrived in this micro-step
         self._missing: set[str] = set()  # the fetched block's parameters still to arrive
@@ -407,7 +407,7 @@ class Attached:
     # ---- helpers -----------------------------------------------------------------------
     def view(self, t: Any) -> torch.Tensor:
         """A cached torch view of the lowgrad tensor ``t`` (its memory lives as long as the manager)."""
-        key = (t.ptr, t.numel, t.dtype.name)
+        key = (t.ptr, t.shape, t.dtype.name)  # the shape, not the count: zero-size tensors share pointers
         v = self._views.get(key)
         if v is None:
             v = self._views[key] = torch.from_dlpack(t).reshape(t.shape)
@@ -513,6 +513,8 @@ class ShardOptimizer:
         self._gather_event = attached.device.event(name="lowgrad_torch_gather") if self.world > 1 else None
 
     def _rows(self, p: torch.Tensor) -> torch.Tensor:
+        if not p.dim():  # 0-d: the whole parameter (world 1: the layout refuses it at world > 1)
+            return p.detach()
         per = p.shape[0] // self.world
         return p.detach()[self.rank * per:(self.rank + 1) * per]
 

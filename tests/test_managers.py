@@ -83,6 +83,9 @@ def reference(layout: lg.Layout, world: int, micro: int, rank: int, step: int = 
             gs = [gfun(r, m, layer, i, s.shape, step).astype(np.float64) for r in range(world)]
             acc += sum(gs) / world
             mag = np.maximum(mag, np.maximum(np.abs(acc), np.max(np.abs(gs), axis=0)))
+        if not s.shape:  # 0-d: its own shard (world 1)
+            out[key] = (acc, mag)
+            continue
         rows = s.shape[0] // world
         out[key] = (acc[rank * rows:(rank + 1) * rows], mag[rank * rows:(rank + 1) * rows])
     return out
@@ -105,6 +108,62 @@ def test_shards_match_float64_reference(world: int, strategy: str, offload: bool
         for key, (want, mag) in ref.items():
             err = np.abs(got[key] - want) / ulp(mag)
             assert err.max() <= bound, (key, err.max())
+
+
+def odd_layout(world: int) -> lg.Layout:
+    """Zero-size parameters in the blocks and outside (dim 0 of 0, a later dim of 0) beside
+    ordinary ones, and at world 1 a 0-d gate per block and a 0-d temperature outside."""
+    block = [lg.ParamSpec("w1", (8, 6)), lg.ParamSpec("none_rows", (0, 3)), lg.ParamSpec("none_cols", (4, 0)),
+             lg.ParamSpec("b1", (8,), zero_init=True)]
+    non_block = [lg.ParamSpec("emb", (12, 4)), lg.ParamSpec("none", (0,))]
+    if world == 1:
+        block.insert(1, lg.ParamSpec("gate", ()))
+        non_block.append(lg.ParamSpec("temperature", ()))
+    return lg.Layout(block=block, non_block=non_block, num_layers=3)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy,offload", STRATS)
+def test_zero_d_and_zero_size_parameters(world: int, strategy: str, offload: bool) -> None:
+    """0-d (one element; world 1) and zero-size (no elements) parameters go through every
+    strategy, with and without offload: their shards have the right shapes, the others' values
+    are within the SR bound of the float64 reference, the norm and the statistics count them."""
+    layout, micro = odd_layout(world), 3
+
+    def job(c: Any) -> tuple[dict[str, np.ndarray], float, Any]:
+        gm = lg.create_gradient_manager(layout, c, strategy=strategy, offload=offload, stats=True)
+        got = drive(c, layout, strategy, offload, micro, gm=gm, gfun=bf16_grad)
+        norm, stats = float(gm.grad_norm_squared().numpy()[0]), gm.step_stats()
+        gm.close()
+        return got, norm, stats
+
+    results = lg.run_threads(world, job)
+    total = 0.0
+    for rank, (got, norm, stats) in enumerate(results):
+        ref = reference(layout, world, micro, rank)
+        assert got.keys() == ref.keys()
+        for key, (want, mag) in ref.items():
+            assert got[key].shape == want.shape, key
+            err = np.abs(got[key] - want) / ulp(mag)
+            assert err.max(initial=0) <= 2 * micro + (2 if world > 1 else 0), (key, err.max())
+        total += sum(float(np.sum(v ** 2)) for v in got.values())
+        assert norm == pytest.approx(results[0][1], rel=0)  # one all-reduce: the same norm everywhere
+        tensors = stats.tensors()
+        for name in ("none", "layers.1.none_rows", "layers.2.none_cols"):
+            assert (tensors[name].norm, tensors[name].nonfinite, tensors[name].maxabs) == (0.0, 0, 0.0)
+        if world == 1:
+            assert tensors["layers.0.gate"].norm == pytest.approx(abs(float(got["0.gate"])), rel=1e-6)
+            assert tensors["temperature"].norm == pytest.approx(abs(float(got["nb.temperature"])), rel=1e-6)
+    assert results[0][1] == pytest.approx(total, rel=1e-5)
+
+
+def test_zero_d_parameters_are_refused_at_world_2_before_anything_is_allocated() -> None:
+    def job(c: Any) -> None:
+        before = c.device.memory_report().as_dict()
+        with pytest.raises(ValueError, match="'gate' is 0-d .one element.: sharding splits dim 0 into 2"):
+            lg.create_gradient_manager(odd_layout(1), c, strategy="scatter_reduce")
+        assert c.device.memory_report().as_dict() == before
+    lg.run_threads(2, job)
 
 
 def test_single_micro_step_world1_is_exact() -> None:

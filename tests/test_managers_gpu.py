@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_managers import STRATS, drive, small_layout
+from test_managers import STRATS, drive, odd_layout, small_layout
 from test_protocol import (
     Fetch,
     disjoint,
@@ -98,6 +98,37 @@ def test_cuda_grad_norm_matches_host() -> None:
     (d,) = lg.run_threads(1, job, backend="cuda")
     (h,) = lg.run_threads(1, job, backend="host")
     assert d == pytest.approx(h, rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy,offload", STRATS)
+def test_cuda_zero_d_and_zero_size_parameters_equal_host(world: int, strategy: str, offload: bool) -> None:
+    """0-d (world 1) and zero-size parameters on the GPU (world 2: one GPU each, or the loopback
+    communicator on one): no zero-size grid is launched (CUDA refuses those), no zero-count
+    collective hangs, and the shards, the norm and the statistics equal the host backend's; a
+    manager of no parameters has norm 0."""
+    layout = odd_layout(world)
+
+    def job(c: Any) -> tuple[dict[str, np.ndarray], float, np.ndarray, float]:
+        gm = lg.create_gradient_manager(layout, c, strategy=strategy, offload=offload, stats=True, seed=5)
+        got = drive(c, layout, strategy, offload, 3, steps=2, gm=gm)
+        norm, rows = float(gm.grad_norm_squared().numpy()[0]), gm.stats().numpy().copy()
+        gm.close()
+        empty = lg.Layout(block=(), non_block=(), num_layers=2)
+        gm = lg.create_gradient_manager(empty, c, strategy=strategy, offload=offload)
+        drive(c, empty, strategy, offload, 2, gm=gm)
+        zero = float(gm.grad_norm_squared().numpy()[0])
+        gm.close()
+        return got, norm, rows, zero
+
+    share = world > lg.device_count()
+    dev = lg.run_threads(world, job, backend="cuda", share_gpu=share, timeout=120)
+    host = lg.run_threads(world, job, backend="host")
+    for (d, dn, drows, dz), (h, hn, hrows, hz) in zip(dev, host):
+        assert d.keys() == h.keys() and all(np.array_equal(d[k], h[k]) for k in d)
+        assert dn == pytest.approx(hn, rel=1e-5) and dz == hz == 0.0
+        assert np.allclose(drows, hrows, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.timeout(300)

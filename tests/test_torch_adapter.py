@@ -315,3 +315,84 @@ def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool) -> No
                     p.copy_(masters[n])
     for n, p in params.items():
         assert torch.equal(results[0][1][n], p.detach()), n  # elementwise AdamW: bit for bit
+
+
+class Gated(Tiny):
+    """Tiny with, in each block, a 0-d gate (when ``gates``) and a zero-size parameter, and
+    outside the blocks a 0-d temperature (when ``gates``) and a zero-size one."""
+
+    def __init__(self, gates: bool) -> None:
+        super().__init__()
+        for i, blk in enumerate(self.layers):
+            if gates:
+                blk.gate = torch.nn.Parameter(torch.tensor(0.25 * (i + 1), dtype=torch.bfloat16))
+            blk.nothing = torch.nn.Parameter(torch.zeros(0, H, dtype=torch.bfloat16))
+        if gates:
+            self.temperature = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.bfloat16))
+        self.none = torch.nn.Parameter(torch.zeros(4, 0, dtype=torch.bfloat16))
+
+    def forward(self, tokens: Any) -> Any:
+        x = self.embed_tokens(tokens)
+        for blk in self.layers:
+            gate = getattr(blk, "gate", None)
+            y = blk(x)
+            x = (x + (y - x) * gate if gate is not None else y) + blk.nothing.sum()
+        t = getattr(self, "temperature", None)
+        out = self.lm_head(x * self.norm) + self.none.sum()
+        return out / t if t is not None else out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy,offload", [("unsharded", False), ("scatter_reduce", False),
+                                              ("scatter_reduce", True), ("all_to_all", False), ("all_to_all", True)])
+def test_zero_d_and_zero_size_parameters_attach_and_train(world: int, strategy: str, offload: bool) -> None:
+    """0-d parameters (world 1) and zero-size ones (any world) attach, deliver their gradients
+    and are updated by ShardOptimizer exactly as AdamW on the full parameters with the full
+    averaged gradients; at world 2 a 0-d parameter is refused at attach, saying why and what to do,
+    with the module left unattached."""
+    from lowgrad.torch import ShardOptimizer
+    M, kw, gates = 2, {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}, world == 1
+
+    def job(c: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        if world > 1:
+            refused = Gated(gates=True)
+            with pytest.raises(ValueError, match=r"parameter 'gate' is 0-d \(one element\).*freeze it"):
+                attach(refused, c, strategy=strategy, offload=offload)
+            assert not any(hasattr(p, "_lowgrad_attached") for p in refused.parameters())
+        model = Gated(gates)
+        att = attach(model, c, strategy=strategy, offload=offload, seed=3)
+        opt = ShardOptimizer(att, **kw)
+        grads_per_step = []
+        for step in range(2):
+            for m in range(M):
+                with att.micro_step(m, M):
+                    loss(model, c.rank, m + 10 * step).backward()
+            grads_per_step.append({f"layers.{layer}.{n}": t.clone() for layer in range(LAYERS)
+                                   for n, t in att.block_shards(layer).items()}
+                                  | {n: att.non_block_shard(n).clone() for n, _ in att.non_block_params})
+            assert opt.step(max_norm=1e3) is True
+        final = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.close()
+        att.close()
+        return grads_per_step, final
+
+    results = lg.run_threads(world, job, backend="host")
+    ref = Gated(gates)
+    params = dict(ref.named_parameters())
+    assert results[0][0][0]["none"].shape == (4 // world, 0) and results[0][0][0]["layers.1.nothing"].shape == (0, H)
+    if gates:
+        assert results[0][0][0]["layers.2.gate"].shape == () and results[0][0][0]["temperature"].shape == ()
+        assert float(results[0][0][0]["layers.2.gate"]) != 0  # a gradient arrived
+    masters = {n: p.detach().float().clone().requires_grad_() for n, p in params.items()}
+    opt = torch.optim.AdamW(list(masters.values()), **kw)
+    for step in range(2):
+        for n, mp in masters.items():
+            parts = [results[r][0][step][n] for r in range(world)]
+            mp.grad = (torch.cat(parts) if parts[0].dim() else parts[0]).float()
+        opt.step()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(masters[n])
+    for r in range(world):
+        for n, p in params.items():
+            assert results[r][1][n].shape == p.shape and torch.equal(results[r][1][n], p.detach()), (r, n)

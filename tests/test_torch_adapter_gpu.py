@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_torch_adapter import Tiny, by_hand, grads, loss, shards
+from test_torch_adapter import Gated, Tiny, by_hand, grads, loss, shards
 
 import lowgrad as lg
 
@@ -70,3 +70,31 @@ def test_shard_optimizer_on_the_gpu_keeps_ranks_equal() -> None:
     a, b = lg.run_threads(2, job, backend="cuda", share_gpu=True, timeout=60)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert any(not torch.equal(a[n], p.detach()) for n, p in Tiny().named_parameters())  # it moved
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_d_and_zero_size_parameters_on_the_gpu(world: int) -> None:
+    """A CUDA model with 0-d gates (world 1) and zero-size parameters attaches and trains on
+    the GPU; every rank ends with the same model, and it moved."""
+    def job(c: Any) -> dict[str, Any]:
+        if not torch.cuda.is_available():
+            pytest.skip("torch has no CUDA")
+        torch.cuda.set_stream(torch.cuda.Stream())
+        model = Gated(gates=world == 1).cuda()
+        att = attach(model, c, strategy="all_to_all", seed=3)
+        opt = ShardOptimizer(att, lr=1e-2)
+        for m in range(2):
+            with att.micro_step(m, 2):
+                loss(model, c.rank, m).backward()
+        assert opt.step(max_norm=0.5) is True
+        torch.cuda.synchronize()
+        out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        opt.close()
+        att.close()
+        return out
+    results = lg.run_threads(world, job, backend="cuda", share_gpu=world > 1, timeout=60)
+    assert all(torch.equal(results[0][n], r[n]) for r in results for n in r)
+    start = dict(Gated(gates=world == 1).named_parameters())
+    assert any(not torch.equal(results[0][n], p.detach()) for n, p in start.items() if p.numel())
+    if world == 1:
+        assert not torch.equal(results[0]["layers.0.gate"], start["layers.0.gate"].detach())

@@ -217,7 +217,7 @@ class Tensor:
 
 def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
     """The ``rank``-th of ``world`` equal contiguous slices of ``t`` along dim 0 (``rank`` and
-    ``world`` Python or NumPy integers)."""
+    ``world`` Python or NumPy integers); a 0-d ``t`` is its own one slice at world 1."""
     if not isinstance(t, Tensor):
         raise TypeError(f"shard_view needs a lowgrad Tensor, got {type(t).__name__}")
     world, rank = integer("world", world), integer("rank", rank)
@@ -226,7 +226,9 @@ def shard_view(t: Tensor, rank: int, world: int) -> Tensor:
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank!r} outside [0, {world})")
     if not t.shape:
-        raise ValueError(f"tensor {t.name!r} is 0-d and cannot be sharded")
+        if world == 1:
+            return t
+        raise ValueError(f"tensor {t.name!r} is 0-d (one element) and cannot be split into {world} slices")
     if t.shape[0] % world:
         raise ValueError(f"tensor {t.name!r} of shape {t.shape}: dim 0 ({t.shape[0]}) is not divisible "
                          f"by world {world}")

@@ -23,7 +23,9 @@ from lowgrad.core.integers import integer
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter's gradient: a name, a shape (tuple of positive ints), ``zero_init`` (the
+    """One parameter's gradient: a name, a shape (tuple of ints >= 0: ``()`` is a 0-d parameter,
+    one element, e.g. a per-block gate or a temperature; a 0 anywhere a zero-size one, no
+    elements), ``zero_init`` (the
     manager zeroes it and the engine always adds into it) and an optional ``dtype``, the dtype
     the engine's parameter has: a manager keeps one gradient dtype for every tensor, so it refuses
     a layout whose ``dtype`` differs from its own (TypeError at creation) rather than convert."""
@@ -48,9 +50,8 @@ class ParamSpec:
                 dims.append(operator.index(d))
             except TypeError:
                 raise TypeError(f"ParamSpec {self.name!r}: shape entries must be ints, got {self.shape!r}") from None
-        if not dims or any(d <= 0 for d in dims):
-            raise ValueError(f"ParamSpec {self.name!r}: shape must be a non-empty tuple of positive ints, "
-                             f"got {tuple(dims)}")
+        if any(d < 0 for d in dims):
+            raise ValueError(f"ParamSpec {self.name!r}: shape must be a tuple of ints >= 0, got {tuple(dims)}")
         object.__setattr__(self, "shape", tuple(dims))
         if not isinstance(self.zero_init, bool):
             raise TypeError(f"ParamSpec {self.name!r}: zero_init must be a bool, got {self.zero_init!r}")
@@ -59,8 +60,13 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        """Number of elements."""
+        """Number of elements (1 for a 0-d parameter, 0 for a zero-size one)."""
         return math.prod(self.shape)
+
+    def shard_shape(self, world: int) -> tuple[int, ...]:
+        """The shape of one of ``world`` shards: dim 0 split into ``world`` equal slices; a 0-d
+        parameter is its own shard (world 1 only: :meth:`Layout.check_world`)."""
+        return (self.shape[0] // world, *self.shape[1:]) if self.shape else ()
 
 
 def _specs(kind: str, specs: Iterable[ParamSpec]) -> tuple[ParamSpec, ...]:
@@ -124,13 +130,21 @@ class Layout:
 
     def check_world(self, world: int) -> None:
         """Raise ValueError naming the parameter, its shape and ``world`` if any parameter's dim 0
-        is not divisible by ``world`` (sharding splits dim 0 into ``world`` equal slices)."""
+        is not divisible by ``world`` (sharding splits dim 0 into ``world`` equal slices), or if
+        a parameter is 0-d and ``world`` > 1 (its one element cannot be split: the reduce-scatter
+        and the all-to-all give every rank the same number of elements)."""
         world = integer("world", world)
         if world < 1:
             raise ValueError(f"world must be >= 1, got {world}")
         for kind, specs in (("block", self.block), ("non-block", self.non_block)):
             for s in specs:
-                if s.shape[0] % world:
+                if not s.shape and world > 1:
+                    raise ValueError(f"{kind} parameter {s.name!r} is 0-d (one element): sharding splits dim 0 "
+                                     f"into {world} equal slices, and one element cannot be split; at world > 1 "
+                                     f"give it a dim 0 divisible by {world} (e.g. shape ({world},), the same value "
+                                     "in each element), or freeze it (requires_grad=False); 0-d parameters train "
+                                     "at world 1")
+                if s.shape and s.shape[0] % world:
                     raise ValueError(f"{kind} parameter {s.name!r} of shape {s.shape}: dim 0 ({s.shape[0]}) "
                                      f"is not divisible by world {world}")
 

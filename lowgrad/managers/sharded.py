@@ -47,8 +47,8 @@ class ShardedManager(GradientManager):
         lazy.commit()
         self._containers = [self._container(buf) for buf in self._buffers]
         shard_lazy = self.device.lazy_allocator("pinned" if self.offload else "device")
-        self._shards = [[shard_lazy.alloc((s.shape[0] // self.world,) + s.shape[1:], self.dtype,
-                                          "block_grad_shards") for s in self.layout.block] for _ in range(L)]
+        self._shards = [[shard_lazy.alloc(s.shard_shape(self.world), self.dtype, "block_grad_shards")
+                         for s in self.layout.block] for _ in range(L)]
         shard_lazy.commit()
         self._free = [self.device.event(name=f"buffer{i}_free") for i in range(len(self._buffers))]
         self._shard_containers = [self._container(ts) for ts in self._shards]
