@@ -104,7 +104,8 @@ def _malformed(path: Path, change: str) -> str:
 @pytest.mark.parametrize("text,why", [
     (None, "No such file"), ("", "no steps in it"), ("x\n", ":1: not JSON"),
     ('{"format": 1, "step": 3}\n', ":1: rank is missing"),
-    ("r['global']['noise']['b_simple'] = 'big'", ":3: global.noise.b_simple must be a finite number or null, got 'big'"),
+    ("r['global']['noise']['b_simple'] = 'big'",
+     ":3: global.noise.b_simple must be a finite number or null, got 'big'"),
     ("r['global']['noise']['b_simple'] = float('nan')", ":3: global.noise.b_simple must be a finite number or null"),
     ("r['global']['norm'] = float('inf')", ":3: global.norm must be a finite number >= 0 or null, got inf"),
     ("del r['layers'][0]['norm']", ":3: layers[0].norm is missing"),

@@ -441,10 +441,13 @@ def test_grad_norm_squared() -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("strategy,offload", STRATS)
-def test_grad_norm_squared_of_no_parameters_is_zero(world: int, strategy: str, offload: bool) -> None:
-    """A manager with no parameters sums no squares: its norm is 0.0 every step, not the bytes
-    its tensor held (here NaN written into it between the steps)."""
-    layout = lg.Layout(block=(), non_block=(), num_layers=2)
+@pytest.mark.parametrize("params", [(), (lg.ParamSpec("none", (0, 4)), lg.ParamSpec("empty", (2, 0)))],
+                         ids=["none", "zero-size"])
+def test_grad_norm_squared_of_no_parameters_is_zero(world: int, strategy: str, offload: bool,
+                                                    params: tuple[lg.ParamSpec, ...]) -> None:
+    """A manager with no parameters, or only zero-size ones, sums no squares: its norm is 0.0
+    every step, not the bytes its tensor held (here NaN written into it between the steps)."""
+    layout = lg.Layout(block=params, non_block=params, num_layers=2)
 
     def job(c: Any) -> list[float]:
         gm = lg.create_gradient_manager(layout, c, strategy=strategy, offload=offload)
