@@ -249,3 +249,25 @@ def test_full_disk_warns_once_and_training_goes_on(caplog: pytest.LogCaptureFixt
 def test_a_path_that_cannot_be_opened_raises_at_once(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         StepLog(tmp_path / "missing" / "grad.jsonl", rank=0)
+
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_ending_a_cut_line_on_a_full_disk_warns_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The newline that ends a cut line is a write like any other: on a full disk it warns once,
+    the log stops, and the resumed run goes on."""
+    import lowgrad.diagnostics.log as log_module
+    path = tmp_path / "grad.jsonl"
+    cut_then_resume(path, 20)
+
+    def full_disk(name: object, mode: str = "r", *args: object, **kw: object) -> object:
+        return open("/dev/full" if "a" in mode else name, mode, *args, **kw)  # type: ignore[call-overload]
+    monkeypatch.setattr(log_module, "open", full_disk, raising=False)
+    with caplog.at_level(logging.WARNING, logger="lowgrad"):
+        log = StepLog(path, rank=0)
+        assert log.record(step(5), skipped=False)["step"] == 5
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"gradient log {path}"] * 2
+    assert "writing the end of the cut line failed" in caplog.records[1].getMessage()
+    assert "No space left" in caplog.records[1].getMessage()
+    log.close()

@@ -105,17 +105,18 @@ class StepLog:
         """A log whose last line has no newline was cut by a crash in the middle of a write: end
         that line, so that this run's lines start on their own (the cut one stays in the file,
         the evidence; :func:`read_log` leaves it out and names it)."""
-        assert self._file is not None
-        with open(self.path, "rb") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) == b"\n":
-                return
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, os.SEEK_END) == 0:  # empty (or a device such as /dev/full)
+                    return
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) == b"\n":
+                    return
+        except OSError:  # not readable by us (write-only): appended to as it is, as before
+            return
         logger.warning("gradient log %s: its last line was cut by a crash in the middle of a write; it is ended "
                        "and left out when read, the run's lines go on after it", self.path)
-        self._file.write("\n")
-        self._file.flush()
+        self._write("\n", "the end of the cut line")
 
     def record(self, stats: StepStats, *, skipped: bool) -> dict[str, Any]:
         """Log one step (``skipped``: whether the optimizer skipped it) and return its line as a
@@ -126,18 +127,18 @@ class StepLog:
         if self.rank == 0:
             if record["nonfinite"] is not None:
                 logger.warning("%s", record["nonfinite"]["message"])
-            self._write(json.dumps(record, allow_nan=False) + "\n", stats.step)
+            self._write(json.dumps(record, allow_nan=False) + "\n", f"step {stats.step}")
         return record
 
-    def _write(self, line: str, step: int) -> None:
+    def _write(self, line: str, what: str) -> None:
         if self._file is None:  # closed, or stopped by a failed write
             return
         try:
             self._file.write(line)
             self._file.flush()
         except OSError as exc:
-            logger.warning("gradient log %s: writing step %d failed (%s); the log stops here, training goes on",
-                           self.path, step, exc)
+            logger.warning("gradient log %s: writing %s failed (%s); the log stops here, training goes on",
+                           self.path, what, exc)
             self.close()
 
     def close(self) -> None:
