@@ -122,7 +122,7 @@ def odd_layout(world: int) -> lg.Layout:
     return lg.Layout(block=block, non_block=non_block, num_layers=3)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("strategy,offload", STRATS)
 def test_zero_d_and_zero_size_parameters(world: int, strategy: str, offload: bool) -> None:
     """0-d (one element; world 1) and zero-size (no elements) parameters go through every
