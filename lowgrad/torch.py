@@ -471,9 +471,10 @@ def _buckets(sizes: list[int], capacity: int) -> list[list[tuple[int, int]]]:
 class ShardOptimizer:
     """A PyTorch optimizer over this rank's gradient shards (ZeRO-2): after each completed step,
     :meth:`step` hands the shards to ``optimizer_cls`` as the gradients of this rank's slices of
-    the parameters (rows ``[rank * d0 / world, (rank + 1) * d0 / world)`` of each), updates them,
-    writes them back into the module and, at world > 1, all-gathers every updated parameter so
-    each rank's module holds the whole model again. Runs on PyTorch's current stream.
+    the parameters (rows ``[rank * d0 / world, (rank + 1) * d0 / world)`` of each; a 0-d
+    parameter, which trains at world 1 only, whole), updates them, writes them back into the
+    module and, at world > 1, all-gathers every updated parameter so each rank's module holds
+    the whole model again. Runs on PyTorch's current stream.
 
     ``master_weights=True`` keeps float32 copies of the slices (the optimizer updates those;
     the module gets them rounded to nearest); False updates the module's bf16 rows in place.
