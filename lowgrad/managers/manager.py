@@ -2,8 +2,11 @@
 :mod:`lowgrad.managers.protocol`), the non-block gradients, per-use seeds, the streams and events
 between the engine and the manager, the global norm, the saved state
 (:mod:`lowgrad.managers.state`) and CUDA-graph capture and replay (the template's data:
-:mod:`lowgrad.managers.replay`). A strategy (:mod:`lowgrad.managers.sharded`,
-:mod:`lowgrad.managers.unsharded`) fills in the block half through a few narrow hooks.
+:mod:`lowgrad.managers.replay`). A strategy (:mod:`lowgrad.managers.strategy`, one file each in
+:mod:`lowgrad.managers.strategies`) is its collaborator for the block half: the manager checks
+each call, then hands the strategy the work through its interface, and lends it a narrow
+:class:`~lowgrad.managers.strategy.StrategyContext` (communicator, streams, seed counter, events,
+micro-step position) and nothing else.
 
 Protocol (``docs/protocol.md``), per micro-batch::
 
@@ -37,7 +40,6 @@ only through the :class:`GraphHooks` it was handed at the capture (nothing here 
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
@@ -52,32 +54,28 @@ from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
 from lowgrad.diagnostics.report import StepStats
-from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
 from lowgrad.managers.state import ManagerState
 from lowgrad.managers.stats import FIELDS, HostRows, StatsReading, StatsRows
-from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
+from lowgrad.managers.strategies import strategy_class
+from lowgrad.managers.strategy import Strategy, StrategyContext
+from lowgrad.sr.seedcounter import SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
 
 
-class GradientManager(ABC):
-    """One rank's gradients, driven by the engine through the micro-step protocol.
+class GradientManager:
+    """One rank's gradients, driven by the engine through the micro-step protocol; the arguments
+    are :func:`lowgrad.create_gradient_manager`'s. Its strategy (``strategy``: the name) does the
+    block half, through the interface of :class:`~lowgrad.managers.strategy.Strategy`."""
 
-    A strategy subclass supplies the block half through its hooks: ``_alloc_blocks`` (buffers,
-    shards, their events), ``block_full``/``_full`` (what the engine writes a layer into),
-    ``_exchange_block`` (what a notified layer queues), ``block_shard``/``_block_shards`` (what
-    the optimizer reads) and ``_owned`` (what ``close`` frees)."""
-
-    strategy = ""
-
-    #: the rounding of a manager created without one (None: the manager rounds nothing itself)
-    _default_rounding: str | None = DEFAULT_ROUNDING
-
-    def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                 offload: bool = False, rounding: str | None = None, inline: bool | None = None,
-                 stats: bool = False) -> None:
+    def __init__(self, layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
+                 dtype: DType | str = bf16, seed: int = 0, step: int = 0, rounding: str | None = None,
+                 inline: bool | None = None, stats: bool = False, **options: Any) -> None:
+        cls = strategy_class(strategy)
+        self.strategy = cls.name
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
         self.dtype = as_dtype(dtype)
@@ -93,15 +91,16 @@ class GradientManager(ABC):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats must be a bool, got {type(stats).__name__} {stats!r}")
-        if rounding is not None and self._default_rounding is None:
+        if rounding is not None and cls.default_rounding is None:
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
                              "adds into the full gradients); choose a sharded strategy to pick a rounding")
-        self.rounding = self._default_rounding if rounding is None else check_rounding(rounding)
+        self.rounding = cls.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
+        options = cls.check(comm, offload, **options)
         #: the block accumulation runs on the engine's stream, not the communication stream
-        self._inline = self._check_inline(inline)
+        self._inline = self._check_inline(cls, inline)
         self.base_seed, self.step = seed, step
         # the most urgent priority (numerically lowest): exchanges finish early beside backward
         self.comm_stream = self.device.stream(priority=min(self.device.stream_priority_range))
@@ -130,26 +129,21 @@ class GradientManager(ABC):
         self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
         self._host_rows: HostRows | None = None  # read_stats' pinned copy of the gathered rows
         self._alloc_non_block()
-        self._alloc_blocks()
+        self._ctx = StrategyContext(layout, comm, self.dtype, self.rounding, offload, self._inline, self.comm_stream,
+                                    self._comm_handle, self._counter, self._record, self._wait, self._join,
+                                    lambda: self._protocol, self._group_done, self._comm_done)
+        self._strategy: Strategy = cls(self._ctx, **options)
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
 
-    def _check_inline(self, inline: Any) -> bool:
-        """``inline`` checked: where possible (a manager that accumulates, world 1, device shards)
-        None means True; elsewhere only None and False are accepted."""
+    def _check_inline(self, cls: type[Strategy], inline: Any) -> bool:
+        """``inline`` checked: where the strategy can (a manager that accumulates, world 1, device
+        shards) None means True; elsewhere only None and False are accepted."""
         if inline is not None and not isinstance(inline, bool):
             raise TypeError(f"inline must be a bool or None, got {type(inline).__name__} {inline!r}")
-        possible = self._default_rounding is not None and self.world == 1 and not self.offload
-        if inline and not possible:
-            why = ("the unsharded manager accumulates nothing itself" if self._default_rounding is None
-                   else f"world is {self.world}: the accumulation follows the exchange" if self.world > 1
-                   else "offloaded shards are accumulated over PCIe, beside the engine's work")
+        why = cls.inline_refusal(self.world, self.offload)
+        if inline and why is not None:
             raise ValueError(f"inline=True needs a sharded strategy at world 1 with device shards: {why}")
-        return possible if inline is None else inline
-
-    # ---- allocation ----------------------------------------------------------------------
-    @abstractmethod
-    def _alloc_blocks(self) -> None:
-        """Allocate the block gradients (full buffers, shards) and their events."""
+        return why is None if inline is None else inline
 
     # ---- protocol ------------------------------------------------------------------------
     def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
@@ -191,7 +185,7 @@ class GradientManager(ABC):
 
     def _events(self) -> list[Any]:
         """The events later calls wait on (re-recorded after a capture and after each replay)."""
-        return [self._comm_done, self._nb_done]
+        return [self._comm_done, self._nb_done, *self._strategy.events()]
 
     @property
     def inline(self) -> bool:
@@ -242,24 +236,23 @@ class GradientManager(ABC):
         self._check_call(f"notify_block({layer})", stream)
         self._protocol.notify(layer)
         with nvtx_range(self._range_names[layer]):
-            self._exchange_block(layer, stream)
+            self._strategy.notify(layer, stream)
 
-    @abstractmethod
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
-        """Layer ``layer``'s gradient buffers for the engine and whether to add into them."""
+        """Layer ``layer``'s gradient buffers for the engine to write on ``stream`` and whether
+        to add into them (``False``: overwrite), as the strategy hands them out; ``zero_init``
+        tensors are zeroed on ``stream`` when the strategy hands out a fresh buffer and always
+        added into. ``stream`` waits until the buffers are free (never the host)."""
+        self._check_fetch(layer, stream)
+        return self._strategy.block_full(layer, stream)
 
-    @abstractmethod
-    def _full(self, layer: int) -> Container:
-        """The buffers :meth:`block_full` hands out for ``layer`` in the current micro-step."""
-
-    @abstractmethod
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
-        """This rank's shards of layer ``layer``, ready on ``stream`` (between steps)."""
-
-    @abstractmethod
-    def _exchange_block(self, layer: int, stream: StreamLike) -> None:
-        """Queue layer ``layer``'s exchange/accumulation of the gradients the engine wrote on
-        ``stream`` (on ``self.comm_stream`` after :meth:`_join` of ``stream``, or inline)."""
+        """This rank's accumulated shards of layer ``layer`` (device or pinned memory), ready on
+        ``stream``. Valid between steps, after a completed step (ProtocolError otherwise)."""
+        self._check_readable(f"block_shard({layer})", stream)
+        self._protocol.check_layer(layer)
+        self._wait(self._comm_done, stream)
+        return self._strategy.block_shard(layer)
 
     def end_micro_step(self, stream: StreamLike) -> None:
         """Close the micro-step; on the last one, reduce-scatter the non-block gradients and
@@ -279,14 +272,6 @@ class GradientManager(ABC):
         self._end_template_micro_step(last)
         if last:
             self.step += 1
-
-    def _reduce_scatter_all(self, tensors: list[Tensor]) -> None:
-        """In-place average reduce-scatter of every tensor, as one NCCL group on the
-        communication stream (one launch for a layer instead of one per tensor)."""
-        if tensors:
-            with self.comm.group(self.comm_stream, event=self._group_done):
-                for t in tensors:
-                    self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
 
     def discard_step(self, stream: StreamLike, total_micro_steps: int | None = None) -> bool:
         """Give up the step in progress after a fault in the engine (an exception in its forward
@@ -335,7 +320,7 @@ class GradientManager(ABC):
                         self._poison([self.non_block_full(name, stream)[0]], stream)
                         self.notify_non_block(name, stream)
                 if state.fetched is not None:
-                    self._poison(self._full(state.fetched).tensors(), stream)
+                    self._poison(self._strategy.full(state.fetched).tensors(), stream)
                     self.notify_block(state.fetched, stream)
                 for layer in range(state.next_layer, -1, -1):
                     self._poison(self.block_full(layer, stream)[0].tensors(), stream)
@@ -407,7 +392,7 @@ class GradientManager(ABC):
         if self._nb_local is not None:
             self._nb_local(self._comm_handle)
         if self.world > 1:  # world 1: the mean is the gradient
-            self._reduce_scatter_all(self._nb_list)
+            self._ctx.reduce_scatter_all(self._nb_list)
         self._record(self._nb_done, self.comm_stream)
 
     def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
@@ -425,30 +410,13 @@ class GradientManager(ABC):
         except KeyError:
             raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
 
-    # ---- containers ----------------------------------------------------------------------
-    def _container(self, tensors: list[Tensor]) -> Container:
-        return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
-
-    def _zero_init(self, tensors: Iterable[Tensor], stream: StreamLike) -> None:
-        for s, t in zip(self.layout.block, tensors):
-            if s.zero_init:
-                ops.fill_zero(t, stream)
-
-    def _shard_offset(self, spec: ParamSpec) -> int:
-        """Element offset of this rank's shard within the full tensor (for the SR noise index)."""
-        return self.rank * (spec.numel // self.world)
-
     # ---- norm, memory, state --------------------------------------------------------------
     def shards(self) -> list[Tensor]:
         """Every shard this rank holds (block layers then non-block), for optimizers and norms:
         the tensors, at any time (e.g. to size optimizer state); their values follow the rules
         of :meth:`block_shard` and :meth:`non_block_shard`."""
         self._check_open("shards")
-        return self._block_shards() + [shard_view(t, self.rank, self.world) for t in self._nb_list]
-
-    @abstractmethod
-    def _block_shards(self) -> list[Tensor]:
-        """This rank's block shards, layer by layer in layout order."""
+        return self._strategy.shards() + [shard_view(t, self.rank, self.world) for t in self._nb_list]
 
     def grad_norm_squared(self, stream: StreamLike = None) -> Tensor:
         """The squared global L2 norm of the completed step's gradient: the sum of squares over
@@ -468,7 +436,7 @@ class GradientManager(ABC):
     def _alloc_stats(self, capacity: int) -> None:
         """Statistics rows for steps of up to ``capacity`` micro-steps (:mod:`lowgrad.managers.stats`),
         and every launch that writes them bound again."""
-        micro, local = self._stats_kinds()
+        micro, local = self._strategy.stats_kinds(self.world)
         rows = StatsRows.of(self.layout, capacity, micro, local if self.world > 1 else None)
         shape = (rows.rows, rows.columns, len(FIELDS))
         out = self.device.alloc(shape, fp64, name="grad_stats")
@@ -486,32 +454,23 @@ class GradientManager(ABC):
             write(h)
         # the old rows are dropped, not closed: a graph captured before holds them (its replays are
         # refused from now on: _replay_check), and an unresolved reading its host buffer
-        before = self.__dict__.copy()
+        before, strategy_before = self.__dict__.copy(), self._strategy.__dict__.copy()
         self._stats, self._gathered, self._rows = out, gathered, rows
         self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
         try:
             self._sink = ops.stats_sink(out, self._counter, rows.capacity)
-            self._bind()  # the strategy's launches register in the sink (_stats_target)
+            self._strategy.bind((self._sink, rows))  # the strategy's launches register in the sink
+            if rows.local == "step" and self._nb_list:  # the non-block gradients too, accumulated over the step
+                self._nb_local = ops.bind_grad_stats(self._nb_list, self._sink, rows.non_block_columns(),
+                                                     rows.local_row)
             self._finish = ops.bind_stats_finish(self._sink)  # what they measure in a step, into rows (stats())
         except BaseException:  # e.g. out of memory for the slots: the manager keeps what it had
             # every attribute as before: the rows, the sink whose slots hold the completed step's
             # measurements (stats() still finishes them), and each launch bound to it (a graph
             # captured before still writes where that finish reads)
             self.__dict__.update(before)
+            self._strategy.__dict__.update(strategy_before)
             raise
-
-    def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
-        """Check and pack the strategy's per-layer launches once (again when the statistics are
-        allocated: :meth:`_stats_target` then says where they go)."""
-
-    def _stats_kinds(self) -> tuple[bool, str | None]:
-        """Which rows the strategy measures at world > 1 (:class:`StatsRows`' ``micro`` and
-        ``local``); at world 1 the local rows are never measured."""
-        return False, None
-
-    def _stats_target(self) -> tuple[StatsSink, StatsRows] | None:
-        """Where the bound launches put statistics (None: they measure none)."""
-        return None if self._sink is None or self._rows is None else (self._sink, self._rows)
 
     def stats(self, stream: StreamLike = None) -> Tensor:
         """The completed step's gradient statistics (``stats=True``): a float64 device tensor of
@@ -617,8 +576,9 @@ class GradientManager(ABC):
         if self._closed:
             return
         self._closed = True
-        for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
+        for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor, self._norm):
             t.close()
+        self._strategy.close()
         for t in (self._stats, self._gathered, None if self._host_rows is None else self._host_rows.tensor):
             if t is not None:
                 t.close()
@@ -626,10 +586,6 @@ class GradientManager(ABC):
             if sink is not None:
                 for t in sink.owned:
                     t.close()
-
-    @abstractmethod
-    def _owned(self) -> list[Tensor]:
-        """The block tensors this manager allocated."""
 
     # ---- events: recorded and waited through these, so that a capture skips waits on work
     # recorded outside it (a replay is ordered after everything before it on its stream)
@@ -716,8 +672,8 @@ class GradientManager(ABC):
 
     def _graph_allocations(self) -> tuple[Any, ...]:
         stats = () if self._stats is None else (self._stats,)
-        return tuple(t.allocation for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm,
-                                            *stats))
+        return tuple(t.allocation for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor,
+                                            self._norm, *stats))
 
     def __enter__(self) -> GradientManager:
         return self
