@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lowgrad.managers.strategies.all_to_all import AllToAll
+from lowgrad.managers.strategies.hierarchical import Hierarchical
 from lowgrad.managers.strategies.scatter_reduce import ScatterReduce
 from lowgrad.managers.strategies.unsharded import Unsharded
 from lowgrad.managers.strategy import Strategy
@@ -13,6 +14,7 @@ STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (
     Unsharded,
     ScatterReduce,
     AllToAll,
+    Hierarchical,
 )}
 
 
