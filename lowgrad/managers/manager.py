@@ -436,7 +436,7 @@ class GradientManager:
     def _alloc_stats(self, capacity: int) -> None:
         """Statistics rows for steps of up to ``capacity`` micro-steps (:mod:`lowgrad.managers.stats`),
         and every launch that writes them bound again."""
-        micro, local = self._strategy.stats_kinds(self.world)
+        micro, local = self._strategy.stats_kinds()
         rows = StatsRows.of(self.layout, capacity, micro, local if self.world > 1 else None)
         shape = (rows.rows, rows.columns, len(FIELDS))
         out = self.device.alloc(shape, fp64, name="grad_stats")

@@ -169,8 +169,7 @@ class Strategy(ABC):
             return "offloaded shards are accumulated over PCIe, beside the engine's work"
         return None
 
-    @classmethod
-    def stats_kinds(cls, world: int) -> tuple[bool, str | None]:
+    def stats_kinds(self) -> tuple[bool, str | None]:
         """Which rows the strategy measures at world > 1 (:class:`StatsRows`' ``micro``: the
         reduced gradient of each micro-step; ``local``: each rank's own gradient per micro-step
         (``"micro"``), once per step (``"step"``) or never (None)); at world 1 the manager

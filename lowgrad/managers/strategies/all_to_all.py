@@ -15,10 +15,9 @@ from lowgrad.managers.strategy import StatsTarget
 class AllToAll(ScatterReduce):
     name = "all_to_all"
 
-    @classmethod
-    def stats_kinds(cls, world: int) -> tuple[bool, str | None]:
+    def stats_kinds(self) -> tuple[bool, str | None]:
         # at world > 1 no kernel holds the reduced gradient of a micro-step
-        return world == 1, "micro"
+        return self.ctx.world == 1, "micro"
 
     def bind(self, target: StatsTarget | None) -> None:
         super().bind(target)

@@ -35,8 +35,8 @@ Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm's ``SLURM_NTASKS_PER_NODE``), o
 node) where none is set; it must divide the world. Creating the manager is a collective here
 (the two splits): every rank creates it. The accumulation follows the node's exchange, so it
 never runs inline. Statistics: each rank's own gradient per micro-step (the local rows) and the
-step's shards; no kernel holds the mean over all ranks of one micro-step (its micro-step rows
-stay NaN).
+step's shards; the micro-step rows (the mean over all ranks of one micro-step) only on one node,
+where the accumulation's adds see that mean (NaN otherwise: no kernel holds it).
 """
 from __future__ import annotations
 
@@ -81,17 +81,21 @@ class Hierarchical(Strategy):
     def inline_refusal(cls, world: int, offload: bool) -> str | None:
         return "the hierarchical accumulation follows the node's exchange, on the communication stream"
 
-    @classmethod
-    def stats_kinds(cls, world: int) -> tuple[bool, str | None]:
-        return False, "micro"
+    def stats_kinds(self) -> tuple[bool, str | None]:
+        # the micro-step rows: the mean over every rank of a micro-step, only held on one node
+        return self.N == 1, "micro"
 
     def __init__(self, ctx: StrategyContext, group_size: int) -> None:
         self.ctx = ctx
         G, W, rank = group_size, ctx.world, ctx.rank
         self.G, self.N = G, W // G
         self.n, self.g = divmod(rank, G)
-        self.node = ctx.comm.split(self.n)  # collectives over every rank: the same order on each
-        self.cross = ctx.comm.split(self.g)
+        # collectives over every rank, in the same order on each; one node (G = W) or one rank
+        # per node (G = 1) is the manager's communicator itself
+        split = 1 < G < W
+        self.node = ctx.comm.split(self.n) if split else ctx.comm
+        self.cross = ctx.comm.split(self.g) if split else ctx.comm
+        self.split = [self.node, self.cross] if split else []
         L, block = ctx.layout.num_layers, ctx.layout.block
         lazy = ctx.device.lazy_allocator("device")
         self.buffers = [[lazy.alloc(s.shape, ctx.dtype, "block_grad") for s in block] for _ in range(min(2, L))]
@@ -117,6 +121,7 @@ class Hierarchical(Strategy):
         """The SR adds of the node's chunks into the accumulator pieces (noise of the chunks'
         element indices in the full tensor) and the local measurements."""
         ctx, G, N = self.ctx, self.G, self.N
+        micro = N == 1 and target is not None and target[1].micro
         lanes = [2 * i for i, _ in enumerate(ctx.layout.block) for _ in range(N)]  # phase 0
 
         def items(l: int) -> list[tuple[Tensor, Tensor, Tensor, int]]:
@@ -124,8 +129,9 @@ class Hierarchical(Strategy):
                     for s, ps, owns in zip(ctx.layout.block, self.pieces[l], self.own[l % 2])
                     for k, (p, own) in enumerate(zip(ps, owns))]
         L = ctx.layout.num_layers
-        self.add = [ops.bind_add_sr_multi(items(l), (ctx.counter, l, lanes)) for l in range(L)] \
-            if ctx.layout.block else []
+        self.add = [ops.bind_add_sr_multi(items(l), (ctx.counter, l, lanes),
+                                          stats=(target[0], target[1].layer_columns(l)) if micro and target else None)
+                    for l in range(L)] if ctx.layout.block else []
         # each rank's own gradient, measured before the node's exchange changes it (world > 1)
         self.local = [ops.bind_grad_stats(self.buffers[l % 2], target[0], target[1].layer_columns(l),
                                           target[1].local_row, per_micro=True)
@@ -187,5 +193,5 @@ class Hierarchical(Strategy):
         return [t for ts in (*self.buffers, *self.acc) for t in ts]
 
     def close(self) -> None:
-        self.node.close()
-        self.cross.close()
+        for comm in self.split:
+            comm.close()

@@ -34,8 +34,7 @@ from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 class ScatterReduce(Strategy):
     name = "scatter_reduce"
 
-    @classmethod
-    def stats_kinds(cls, world: int) -> tuple[bool, str | None]:
+    def stats_kinds(self) -> tuple[bool, str | None]:
         return True, "micro"
 
     def __init__(self, ctx: StrategyContext) -> None:

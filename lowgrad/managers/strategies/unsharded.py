@@ -23,8 +23,7 @@ class Unsharded(Strategy):
                              "gradients on the device")
         return super().check(comm, offload, **options)
 
-    @classmethod
-    def stats_kinds(cls, world: int) -> tuple[bool, str | None]:
+    def stats_kinds(self) -> tuple[bool, str | None]:
         return False, "step"
 
     def __init__(self, ctx: StrategyContext) -> None:
