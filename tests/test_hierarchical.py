@@ -168,3 +168,52 @@ def test_memory_is_two_buffers_and_one_node_shard_per_layer() -> None:
     rep = lg.run_threads(4, fn)[0]
     assert rep["device"]["block_grad"] == 2 * B, rep
     assert rep["pinned"]["block_grad_node_shards"] == layout.num_layers * B // 2, rep
+
+
+# ---- two nodes of two ranks (LOCAL_WORLD_SIZE=2 at world 4) through the other suites' jobs -----------
+
+@pytest.fixture
+def two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("fault", [(0, "before", -1), (1, "fetched", 0), (2, "non_block", 1), (2, "end", -1)],
+                         ids=lambda f: f"m{f[0]}-{f[1]}{f[2]}")
+def test_discard_step_poisons_every_rank_and_leaves_no_trace(two_nodes: None, offload: bool,
+                                                             fault: tuple[int, str, int]) -> None:
+    from test_manager_faults import check_faulted, faulted_and_clean
+    check_faulted(*faulted_and_clean(4, "hierarchical", offload, fault), fault)
+
+
+def test_statistics_local_rows_and_the_step(two_nodes: None) -> None:
+    """Each rank's own gradient per micro-step and the step's shards; the micro-step rows (the
+    mean over every rank of a micro-step) are measured nowhere across two nodes."""
+    from test_manager_stats import M, columns, ranks_stats, sq
+    from test_managers import small_layout as stats_layout  # the layout ranks_stats drives
+    block = stats_layout().block
+    results = ranks_stats(4, "hierarchical", False)
+    stats = results[0][1]
+    assert stats.micro is None and stats.local is not None
+    for r, (shards, _) in enumerate(results):
+        for t, (name, layer, i) in enumerate(columns()):
+            shard = shards[f"nb.{name}" if layer < 0 else f"{layer}.{block[i].name}"]
+            assert stats.accumulated.sumsq[r, t] == pytest.approx(sq(shard), rel=1e-6), (r, name)
+            for m in range(M if layer >= 0 else 0):  # the engine accumulates the non-block ones
+                want = sq(bf16_grad(r, m, layer, i, block[i].shape, 1))
+                assert stats.local.sumsq[r, m, t] == pytest.approx(want, rel=1e-6), (r, m, name)
+
+
+@pytest.mark.parametrize("fault", ["nan", "backward", "data"])
+def test_torch_a_faulted_step_is_skipped_on_every_rank(two_nodes: None, fault: str) -> None:
+    pytest.importorskip("torch")
+    from test_torch_faults import check_skipped
+    from test_torch_faults import run as torch_run
+    check_skipped(4, torch_run(4, fault, fault_rank=3, strategy="hierarchical"),
+                  torch_run(4, "skip", strategy="hierarchical"))
+
+
+def test_torch_shards_equal_the_manager_driven_by_hand(two_nodes: None) -> None:
+    pytest.importorskip("torch")
+    from test_torch_adapter import test_shards_equal_the_manager_driven_by_hand as by_hand
+    by_hand(4, "hierarchical", True)
