@@ -55,8 +55,8 @@ from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers.layout import Layout
-from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
-from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
+from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room
+from lowgrad.managers.replay import Capture, CaptureContext
 from lowgrad.managers.state import ManagerState
 from lowgrad.managers.stats import FIELDS, HostRows, StatsReading, StatsRows
 from lowgrad.managers.strategies import strategy_class
@@ -101,7 +101,7 @@ class GradientManager:
         options = cls.check(comm, offload, **options)
         #: the block accumulation runs on the engine's stream, not the communication stream
         self._inline = self._check_inline(cls, inline)
-        self.base_seed, self.step = seed, step
+        self.base_seed = seed
         # the most urgent priority (numerically lowest): exchanges finish early beside backward
         self.comm_stream = self.device.stream(priority=min(self.device.stream_priority_range))
         self._comm_handle = stream_handle(self.comm_stream)
@@ -110,15 +110,16 @@ class GradientManager:
         self._nb_done = self.device.event(name="non_block_done")
         self._group_done = self.device.event(name="group_done")
         self._closed = False
-        self._protocol = MicroStepState(layout.num_layers)
-        self._recording: Recording | None = None  # a graph capture in progress
-        self._graph_hooks = GraphHooks(self._replay_check, self._replay_before, self._replay_launch,
-                                       self._replay_done, self._capture_closing, self._capture_ended)
+        self._state = HostState(MicroStepState(layout.num_layers), step)  # shared with the capture
+        self._capture = Capture(self._state, CaptureContext(
+            self._check_open, self._events, self._graph_allocations, lambda: self._stats,
+            lambda: None if self._host_rows is None else self._host_rows.event, self.comm_stream, self._comm_done))
+        self._graph_hooks = self._capture.hooks  # what a graph calls (through the capture)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         #: the statistics (``stats=True``): allocated at the first micro-step 0 for its step's
         #: micro-step count, and again when a step has more (between steps)
-        self._stats_on, self._stats_m = stats, 0
+        self._stats_on = stats
         self._stats: Tensor | None = None
         self._gathered: Tensor | None = None
         self._rows: StatsRows | None = None
@@ -159,10 +160,10 @@ class GradientManager:
         micro_step = integer("micro_step", micro_step)
         total_micro_steps = integer("total_micro_steps", total_micro_steps)
         cap = self.device.capture_of(stream)
-        if cap is not None and (self._recording is None or cap is not self._recording.graph):
-            self._begin_capture(cap, micro_step, total_micro_steps)
+        if self._capture.joins(cap):
+            self._capture.begin(cap, micro_step, total_micro_steps)
         self._protocol.check_start(micro_step, total_micro_steps, self.step)
-        if micro_step == 0 and self._recording is None:  # a capture's step number is checked at replay
+        if micro_step == 0 and self._capture.recording is None:  # a capture's step number is checked at replay
             check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
         grow = self._stats_on and micro_step == 0 and (self._rows is None or total_micro_steps > self._rows.capacity)
         if grow:
@@ -171,7 +172,7 @@ class GradientManager:
             self._alloc_stats(total_micro_steps)
         self._protocol.start(micro_step, total_micro_steps)
         if self._stats is not None and micro_step == 0:
-            self._stats_m = total_micro_steps
+            self._state.stats_m = total_micro_steps
             self._after_host_copy(stream)
             ops.fill_nan(self._stats, stream)  # NaN: not measured (yet) in this step
         self._join(stream)
@@ -269,7 +270,7 @@ class GradientManager:
         self._record(self._comm_done, self.comm_stream)
         self._wait(self._comm_done, stream)
         self._protocol.end()
-        self._end_template_micro_step(last)
+        self._capture.micro_step_ended(last)
         if last:
             self.step += 1
 
@@ -366,8 +367,7 @@ class GradientManager:
         """
         self._check_in_micro(f"non_block_full({name!r})", stream)
         t = self._nb(name)
-        rec = self._recording
-        first = self._protocol.fetch_non_block(name, rec is not None and rec.template.assume_touched)
+        first = self._protocol.fetch_non_block(name, self._capture.assume_touched)
         if first:
             self._wait(self._nb_done, stream)  # the previous step's reduce-scatter is done with it
         if first and self._nb_spec[name].zero_init:
@@ -509,7 +509,7 @@ class GradientManager:
         capture.forbid("read_stats (a copy to the host)")
         ops.copy(host.tensor, self._gather_stats(stream), stream)
         host.event.record(stream)
-        return StatsReading(host, partial(rows.step_stats, micro_steps=self._stats_m, step=self.step - 1,
+        return StatsReading(host, partial(rows.step_stats, micro_steps=self._state.stats_m, step=self.step - 1,
                                           rank=self.rank, names=names))
 
     def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
@@ -546,7 +546,7 @@ class GradientManager:
         """``stream``'s next writes of the rows wait until the last read_stats copied them out (it
         may have run on another stream). The first write of a step is start_micro_step(0)'s fill:
         the step's later ones follow it, on its stream or on the communication stream joined to
-        it (a replay waits in :meth:`_replay_before`)."""
+        it (a replay waits in :meth:`Capture.replay_before <lowgrad.managers.replay.Capture.replay_before>`)."""
         if self._host_rows is not None:
             self._wait(self._host_rows.event, stream)
 
@@ -587,88 +587,31 @@ class GradientManager:
                 for t in sink.owned:
                     t.close()
 
-    # ---- events: recorded and waited through these, so that a capture skips waits on work
-    # recorded outside it (a replay is ordered after everything before it on its stream)
+    # ---- events: recorded and waited through the capture, which skips waits on work recorded
+    # outside a capture in progress (a replay is ordered after everything before it on its stream)
     def _record(self, event: Any, stream: StreamLike) -> None:
-        event.record(stream)
-        if self._recording is not None:
-            self._recording.events.add(event)
+        self._capture.record(event, stream)
 
     def _wait(self, event: Any, stream: StreamLike) -> None:
-        rec = self._recording
-        if capture.current() is None or (rec is not None and event in rec.events):
-            event.wait(stream)
+        self._capture.wait(event, stream)
 
-    # ---- graph capture and replay (what GraphHooks hands the graph) -------------------------
-    def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
-        """First micro-step of this manager in capture ``cap``: save host state, then set it so
-        that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""
-        state = self._protocol
-        if state.in_micro or self._recording is not None:
-            raise ProtocolError(f"start_micro_step({micro_step}) in a capture while micro-step {state.micro} is in "
-                                "progress outside it")
-        if not 0 <= micro_step < total:
-            raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
-        self._recording = Recording(cap, state.copy(), self.step, self._stats_m,
-                                    Template(micro_step, total, assume_touched=micro_step > 0, stats=self._stats))
-        state.micro, state.total, state.nb_touched = micro_step - 1, total, set()
-        cap.join(self._graph_hooks)
-        cap.keep(self._graph_allocations())
+    # ---- host state (shared with the capture) ---------------------------------------------
+    @property
+    def step(self) -> int:
+        """The optimizer step the next micro-step 0 begins (the step counter of the SR noise)."""
+        return self._state.step
 
-    def _end_template_micro_step(self, last: bool) -> None:
-        if self._recording is not None:
-            self._recording.template.micro_step_ended(self._protocol.nb_touched, last)
+    @step.setter
+    def step(self, value: int) -> None:
+        self._state.step = value
 
-    def _capture_closing(self, stream: int) -> None:
-        """A capture is ending, maybe inside a micro-step (an error): bring the communication
-        stream's captured work back into the captured stream so the capture can end cleanly."""
-        if self._protocol.in_micro:
-            self._record(self._comm_done, self.comm_stream)
-            self._comm_done.wait(stream)
+    @property
+    def _protocol(self) -> MicroStepState:
+        return self._state.protocol
 
-    def _capture_ended(self, graph: Any, failed: bool) -> Template | None:
-        """Restore the host state saved at the capture's start and make the events valid for
-        eager work again; return the template (ProtocolError for a partial micro-step)."""
-        rec, state = self._recording, self._protocol
-        assert rec is not None, "capture_ended without a capture"
-        partial, tpl = state.in_micro, rec.template
-        tpl.touched, tpl.micro = frozenset(state.nb_touched), state.micro
-        self._protocol, self.step, self._recording = rec.saved, rec.saved_step, None
-        self._stats_m = rec.saved_stats_m
-        for e in self._events():
-            e.record(self.comm_stream)
-        if failed:
-            return None
-        if partial:
-            raise ProtocolError("the capture ended inside a micro-step: capture whole micro-steps "
-                                "(start_micro_step ... end_micro_step)")
-        return tpl
-
-    def _replay_check(self, template: Template) -> Replayed:
-        """Whether the captured micro-steps fit this manager's next ones; the state after them."""
-        self._check_open("graph replay")
-        if template.stats is not self._stats:  # the rows grew for a step of more micro-steps since
-            raise ProtocolError("graph replay: the graph was captured before the gradient statistics' rows grew "
-                                "for a step of more micro-steps; capture it again")
-        return template.fit(self._protocol, self.step)
-
-    def _replay_before(self, stream: int) -> None:
-        self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
-        if self._host_rows is not None:  # a replayed micro-step 0 refills the rows
-            self._host_rows.event.wait(stream)
-
-    @staticmethod
-    def _replay_launch(stream: int) -> int:
-        return stream
-
-    def _replay_done(self, applied: Replayed, stream: int) -> None:
-        state = self._protocol
-        state.complete = state.complete or applied.step > self.step  # the replay ended a step
-        state.micro, state.total, state.nb_touched = applied.micro, applied.total, set(applied.touched)
-        self.step, self._stats_m = applied.step, applied.total
-        for e in self._events():
-            e.record(stream)
-        self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
+    @_protocol.setter
+    def _protocol(self, value: MicroStepState) -> None:
+        self._state.protocol = value
 
     def _graph_allocations(self) -> tuple[Any, ...]:
         stats = () if self._stats is None else (self._stats,)
