@@ -254,7 +254,7 @@ def test_read_stats_refusals_queue_nothing_and_a_retry_works() -> None:
             gm.read_stats()
         drive(comm, layout, "scatter_reduce", False, 2, gm=gm, gfun=bf16_grad)
         want = gm.step_stats()
-        rows, host = gm.stats(), gm._host_rows
+        rows, host = gm.stats(), gm._statistics.host
         assert host is not None
         lg.ops.fill_nan(rows)  # any new measurement, gather or copy would overwrite these
         lg.ops.fill_nan(host.tensor)

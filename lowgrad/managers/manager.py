@@ -40,16 +40,14 @@ only through the :class:`GraphHooks` it was handed at the capture (nothing here 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lowgrad import ops
 from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32, fp64
+from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
 from lowgrad.core.errors import ClosedError, ProtocolError
 from lowgrad.core.integers import integer
-from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
@@ -58,7 +56,7 @@ from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import Capture, CaptureContext
 from lowgrad.managers.state import ManagerState
-from lowgrad.managers.stats import FIELDS, HostRows, StatsReading, StatsRows
+from lowgrad.managers.stats import Statistics, StatisticsContext, StatsReading
 from lowgrad.managers.strategies import strategy_class
 from lowgrad.managers.strategy import Strategy, StrategyContext
 from lowgrad.sr.seedcounter import SeedCounter, check_rounding
@@ -112,28 +110,23 @@ class GradientManager:
         self._closed = False
         self._state = HostState(MicroStepState(layout.num_layers), step)  # shared with the capture
         self._capture = Capture(self._state, CaptureContext(
-            self._check_open, self._events, self._graph_allocations, lambda: self._stats,
-            lambda: None if self._host_rows is None else self._host_rows.event, self.comm_stream, self._comm_done))
+            self._check_open, self._events, self._graph_allocations, self._stats_rows,
+            lambda: None if self._statistics is None else self._statistics.copied(), self.comm_stream,
+            self._comm_done))
         self._graph_hooks = self._capture.hooks  # what a graph calls (through the capture)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         #: the statistics (``stats=True``): allocated at the first micro-step 0 for its step's
         #: micro-step count, and again when a step has more (between steps)
-        self._stats_on = stats
-        self._stats: Tensor | None = None
-        self._gathered: Tensor | None = None
-        self._rows: StatsRows | None = None
-        self._sink: StatsSink | None = None  # where the micro-steps' launches put theirs
-        self._finish: Callable[[int], None] | None = None  # writes their rows, once per step (stats())
-        self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
-        self._step_sink: StatsSink | None = None
-        self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
-        self._host_rows: HostRows | None = None  # read_stats' pinned copy of the gathered rows
         self._alloc_non_block()
         self._ctx = StrategyContext(layout, comm, self.dtype, self.rounding, offload, self._inline, self.comm_stream,
                                     self._comm_handle, self._counter, self._record, self._wait, self._join,
                                     lambda: self._protocol, self._group_done, self._comm_done)
         self._strategy: Strategy = cls(self._ctx, **options)
+        #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
+        self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
+                                                        self._nb_list, self._wait, self._comm_done, self._state)) \
+            if stats else None
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
 
     def _check_inline(self, cls: type[Strategy], inline: Any) -> bool:
@@ -165,16 +158,14 @@ class GradientManager:
         self._protocol.check_start(micro_step, total_micro_steps, self.step)
         if micro_step == 0 and self._capture.recording is None:  # a capture's step number is checked at replay
             check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
-        grow = self._stats_on and micro_step == 0 and (self._rows is None or total_micro_steps > self._rows.capacity)
-        if grow:
+        stats = self._statistics if micro_step == 0 else None
+        if stats is not None and stats.needs_rows(total_micro_steps):
             capture.forbid(f"start_micro_step(0) of {total_micro_steps} micro-steps with stats=True (its statistics "
                            "need memory for that many: run one such step before capturing)")
-            self._alloc_stats(total_micro_steps)
+            stats.alloc(total_micro_steps)
         self._protocol.start(micro_step, total_micro_steps)
-        if self._stats is not None and micro_step == 0:
-            self._state.stats_m = total_micro_steps
-            self._after_host_copy(stream)
-            ops.fill_nan(self._stats, stream)  # NaN: not measured (yet) in this step
+        if stats is not None:
+            stats.start_step(stream, total_micro_steps)
         self._join(stream)
         if micro_step > 0:  # on the stream whose SR kernels read it next
             self._counter.next_micro(stream_handle(stream) if self._inline else self._comm_handle)
@@ -389,8 +380,8 @@ class GradientManager:
         for name, t in self._nb_full.items():
             if name not in self._protocol.nb_touched:
                 ops.fill_zero(t, self.comm_stream)
-        if self._nb_local is not None:
-            self._nb_local(self._comm_handle)
+        if self._statistics is not None and self._statistics.nb_local is not None:
+            self._statistics.nb_local(self._comm_handle)
         if self.world > 1:  # world 1: the mean is the gradient
             self._ctx.reduce_scatter_all(self._nb_list)
         self._record(self._nb_done, self.comm_stream)
@@ -433,44 +424,9 @@ class GradientManager:
         return self._norm
 
     # ---- gradient statistics (stats=True) -------------------------------------------------
-    def _alloc_stats(self, capacity: int) -> None:
-        """Statistics rows for steps of up to ``capacity`` micro-steps (:mod:`lowgrad.managers.stats`),
-        and every launch that writes them bound again."""
-        micro, local = self._strategy.stats_kinds()
-        rows = StatsRows.of(self.layout, capacity, micro, local if self.world > 1 else None)
-        shape = (rows.rows, rows.columns, len(FIELDS))
-        out = self.device.alloc(shape, fp64, name="grad_stats")
-        gathered = self.device.alloc((self.world, *shape), fp64, name="grad_stats_gathered") if self.world > 1 else None
-        host = HostRows(self.device.alloc((self.world, *shape), fp64, kind="pinned", name="grad_stats_host"),
-                        self.device.event(name="grad_stats_copied"))
-        shards = self.shards()  # block shards layer by layer, then the non-block ones
-        columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
-        step_sink = ops.stats_sink(out)
-        measure = ops.bind_grad_stats(shards, step_sink, columns, rows.step_row)
-        write = ops.bind_stats_finish(step_sink)
-
-        def step_pass(h: int) -> None:
-            measure(h)
-            write(h)
-        # the old rows are dropped, not closed: a graph captured before holds them (its replays are
-        # refused from now on: _replay_check), and an unresolved reading its host buffer
-        before, strategy_before = self.__dict__.copy(), self._strategy.__dict__.copy()
-        self._stats, self._gathered, self._rows = out, gathered, rows
-        self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
-        try:
-            self._sink = ops.stats_sink(out, self._counter, rows.capacity)
-            self._strategy.bind((self._sink, rows))  # the strategy's launches register in the sink
-            if rows.local == "step" and self._nb_list:  # the non-block gradients too, accumulated over the step
-                self._nb_local = ops.bind_grad_stats(self._nb_list, self._sink, rows.non_block_columns(),
-                                                     rows.local_row)
-            self._finish = ops.bind_stats_finish(self._sink)  # what they measure in a step, into rows (stats())
-        except BaseException:  # e.g. out of memory for the slots: the manager keeps what it had
-            # every attribute as before: the rows, the sink whose slots hold the completed step's
-            # measurements (stats() still finishes them), and each launch bound to it (a graph
-            # captured before still writes where that finish reads)
-            self.__dict__.update(before)
-            self._strategy.__dict__.update(strategy_before)
-            raise
+    def _stats_rows(self) -> Tensor | None:
+        """The statistics rows now (a graph's template holds those it writes)."""
+        return None if self._statistics is None else self._statistics.out
 
     def stats(self, stream: StreamLike = None) -> Tensor:
         """The completed step's gradient statistics (``stats=True``): a float64 device tensor of
@@ -486,8 +442,7 @@ class GradientManager:
         :meth:`read_stats` orders its copy itself).
         Valid between steps, after a completed step (ProtocolError otherwise); ValueError for a
         manager made without ``stats=True``."""
-        self._check_stats("stats", stream)
-        return self._gather_stats(stream)
+        return self._check_stats("stats", stream).gather(stream)
 
     def read_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StatsReading:
         """:meth:`stats`, then an asynchronous copy of the rows on ``stream`` into a pinned host
@@ -498,19 +453,7 @@ class GradientManager:
         before the next ``read_stats``, which reuses the buffer (ProtocolError from the stale
         reading's ``result()`` otherwise). The checks of :meth:`stats` and of ``names`` come
         before anything is queued; not inside a graph capture (CaptureError)."""
-        self._check_stats("read_stats", stream)
-        rows, host = self._rows, self._host_rows
-        assert rows is not None and host is not None, "a completed step allocated the statistics"
-        if names is not None:
-            columns = rows.columns
-            if isinstance(names, str) or len(names) != columns or not all(isinstance(n, str) and n for n in names) \
-                    or len(set(names)) != columns:
-                raise ValueError(f"read_stats: names must be {columns} distinct non-empty strings, one per column")
-        capture.forbid("read_stats (a copy to the host)")
-        ops.copy(host.tensor, self._gather_stats(stream), stream)
-        host.event.record(stream)
-        return StatsReading(host, partial(rows.step_stats, micro_steps=self._state.stats_m, step=self.step - 1,
-                                          rank=self.rank, names=names))
+        return self._check_stats("read_stats", stream).read(stream, names)
 
     def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
         """``read_stats(stream, names).result()``: the statistics on the host at once (a sync of
@@ -519,36 +462,13 @@ class GradientManager:
         (``first_nonfinite()``)."""
         return self.read_stats(stream, names).result()
 
-    def _check_stats(self, what: str, stream: StreamLike) -> None:
-        """The checks of a statistics read, before anything is queued."""
+    def _check_stats(self, what: str, stream: StreamLike) -> Statistics:
+        """The checks of a statistics read, before anything is queued; the statistics."""
         self._check_call(what, stream)
-        if not self._stats_on:
+        if self._statistics is None:
             raise ValueError(f"{what}(): the manager was created without stats=True")
         self._protocol.check_readable(what, self.step)
-
-    def _gather_stats(self, stream: StreamLike) -> Tensor:
-        """Queue the accumulated gradient's row and the gather on ``stream``: the rows of every rank."""
-        out, rows = self._stats, self._rows
-        assert out is not None and rows is not None, "a completed step allocated the statistics"
-        self._wait(self._comm_done, stream)
-        self._after_host_copy(stream)
-        h = stream_handle(stream)
-        if self._finish is not None:  # the micro-step rows, from what the step's launches measured
-            self._finish(h)
-        if self._step_pass is not None:
-            self._step_pass(h)
-        if self._gathered is None:
-            return out.reshape(1, *out.shape)
-        self.comm.all_gather(out, out=self._gathered, stream=stream)
-        return self._gathered.reshape(self.world, *out.shape)
-
-    def _after_host_copy(self, stream: StreamLike) -> None:
-        """``stream``'s next writes of the rows wait until the last read_stats copied them out (it
-        may have run on another stream). The first write of a step is start_micro_step(0)'s fill:
-        the step's later ones follow it, on its stream or on the communication stream joined to
-        it (a replay waits in :meth:`Capture.replay_before <lowgrad.managers.replay.Capture.replay_before>`)."""
-        if self._host_rows is not None:
-            self._wait(self._host_rows.event, stream)
+        return self._statistics
 
     def memory_report(self) -> Any:
         """Bytes by allocation name and kind on this rank's device."""
@@ -579,13 +499,8 @@ class GradientManager:
         for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor, self._norm):
             t.close()
         self._strategy.close()
-        for t in (self._stats, self._gathered, None if self._host_rows is None else self._host_rows.tensor):
-            if t is not None:
-                t.close()
-        for sink in (self._sink, self._step_sink):  # what the bound launches allocated for their statistics
-            if sink is not None:
-                for t in sink.owned:
-                    t.close()
+        if self._statistics is not None:
+            self._statistics.close()
 
     # ---- events: recorded and waited through the capture, which skips waits on work recorded
     # outside a capture in progress (a replay is ordered after everything before it on its stream)
@@ -614,7 +529,8 @@ class GradientManager:
         self._state.protocol = value
 
     def _graph_allocations(self) -> tuple[Any, ...]:
-        stats = () if self._stats is None else (self._stats,)
+        rows = self._stats_rows()
+        stats = () if rows is None else (rows,)
         return tuple(t.allocation for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor,
                                             self._norm, *stats))
 
