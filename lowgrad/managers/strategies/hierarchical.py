@@ -48,6 +48,7 @@ from lowgrad import ops
 from lowgrad.core.integers import integer
 from lowgrad.core.streams import StreamLike
 from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 
 #: the launchers' ranks per node, in the order they are read
@@ -97,15 +98,12 @@ class Hierarchical(Strategy):
         self.cross = ctx.comm.split(self.g) if split else ctx.comm
         self.split = [self.node, self.cross] if split else []
         L, block = ctx.layout.num_layers, ctx.layout.block
-        lazy = ctx.device.lazy_allocator("device")
-        self.buffers = [[lazy.alloc(s.shape, ctx.dtype, "block_grad") for s in block] for _ in range(min(2, L))]
-        lazy.commit()
-        self.containers = [ctx.container(buf) for buf in self.buffers]
+        self.full_buffers = AlternatingBuffers(ctx)
+        self.buffers = self.full_buffers.buffers
         acc_lazy = ctx.device.lazy_allocator("pinned" if ctx.offload else "device")
         self.acc = [[acc_lazy.alloc((s.shape[0] // G,) + s.shape[1:], ctx.dtype, "block_grad_node_shards")
                      for s in block] for _ in range(L)]
         acc_lazy.commit()
-        self.free = [ctx.device.event(name=f"buffer{i}_free") for i in range(len(self.buffers))]
         N = self.N
         # the N slices of 1/N of each tensor the node reduces, and this rank's chunk of each
         self.slices = [[[shard_view(t, k, N) for k in range(N)] for t in buf] for buf in self.buffers]
@@ -114,7 +112,6 @@ class Hierarchical(Strategy):
         self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
         self.add: list[Callable[[int], None]] = []
-        self.local: list[Callable[[int], None]] = []
         self.bind(None)
 
     def bind(self, target: StatsTarget | None) -> None:
@@ -132,31 +129,26 @@ class Hierarchical(Strategy):
         self.add = [ops.bind_add_sr_multi(items(l), (ctx.counter, l, lanes),
                                           stats=(target[0], target[1].layer_columns(l)) if micro and target else None)
                     for l in range(L)] if ctx.layout.block else []
-        # each rank's own gradient, measured before the node's exchange changes it (world > 1)
-        self.local = [ops.bind_grad_stats(self.buffers[l % 2], target[0], target[1].layer_columns(l),
-                                          target[1].local_row, per_micro=True)
-                      for l in range(L)] if target is not None and target[1].local == "micro" else []
+        self.full_buffers.bind(target)
 
     def events(self) -> list[Any]:
-        return list(self.free)
+        return self.full_buffers.events()
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Buffer ``layer % 2``, once its previous exchange is done; always overwritten, but
         ``zero_init`` tensors (zeroed on ``stream``, added into)."""
-        self.ctx.wait(self.free[layer % 2], stream)
-        full = self.full(layer)
+        full = self.full_buffers.hand_out(layer, stream)
         self.ctx.zero_init(full.tensors(), stream)
         return full, False
 
     def full(self, layer: int) -> Container:
-        return self.containers[layer % 2]
+        return self.full_buffers.containers[layer % 2]
 
     def notify(self, layer: int, stream: StreamLike) -> None:
         ctx = self.ctx
         ctx.join(stream)
         h, b = ctx.comm_handle, layer % 2
-        if self.local:
-            self.local[layer](h)
+        self.full_buffers.measure(layer)
         if self.G > 1:  # one rank per node: its gradient is the node's mean
             ctx.reduce_scatter_all([v for vs in self.slices[b] for v in vs], comm=self.node)
         if ctx.first:
@@ -167,7 +159,7 @@ class Hierarchical(Strategy):
             self.add[layer](h)
         if ctx.last and self.N > 1:  # one node: the node's mean is the mean
             self.cross_nodes(layer)
-        ctx.record(self.free[b], ctx.comm_stream)
+        self.full_buffers.release(layer)
 
     def cross_nodes(self, layer: int) -> None:
         """Piece ``n`` of the accumulator := the mean over the nodes of piece ``n``."""
@@ -190,7 +182,7 @@ class Hierarchical(Strategy):
         return [t for c in self.final for t in c.tensors()]
 
     def owned(self) -> list[Tensor]:
-        return [t for ts in (*self.buffers, *self.acc) for t in ts]
+        return self.full_buffers.owned() + [t for ts in self.acc for t in ts]
 
     def close(self) -> None:
         for comm in self.split:

@@ -28,6 +28,7 @@ from lowgrad import ops
 from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 
 
@@ -40,19 +41,15 @@ class ScatterReduce(Strategy):
     def __init__(self, ctx: StrategyContext) -> None:
         self.ctx = ctx
         L, block = ctx.layout.num_layers, ctx.layout.block
-        lazy = ctx.device.lazy_allocator("device")
-        self.buffers = [[lazy.alloc(s.shape, ctx.dtype, "block_grad") for s in block] for _ in range(min(2, L))]
-        lazy.commit()
-        self.containers = [ctx.container(buf) for buf in self.buffers]
+        self.full_buffers = AlternatingBuffers(ctx)
+        self.buffers = self.full_buffers.buffers
         shard_lazy = ctx.device.lazy_allocator("pinned" if ctx.offload else "device")
         self.shard_tensors = [[shard_lazy.alloc((s.shape[0] // ctx.world,) + s.shape[1:], ctx.dtype,
                                                 "block_grad_shards") for s in block] for _ in range(L)]
         shard_lazy.commit()
-        self.free = [ctx.device.event(name=f"buffer{i}_free") for i in range(len(self.buffers))]
         self.shard_containers = [ctx.container(ts) for ts in self.shard_tensors]
         self.own = [[shard_view(t, ctx.rank, ctx.world) for t in buf] for buf in self.buffers]
         self.acc: list[Callable[[int], None]] = []
-        self.local: list[Callable[[int], None]] = []
         self.bind(None)
 
     def bind(self, target: StatsTarget | None) -> None:
@@ -69,29 +66,24 @@ class ScatterReduce(Strategy):
                                            zip(self.shard_tensors[l], self.own[l % 2], offsets)],
                                           (ctx.counter, l, lanes), stats=stats(l))
                     for l in range(L)] if ctx.layout.block else []
-        # each rank's own gradient, measured before the exchange changes it (world > 1)
-        self.local = [ops.bind_grad_stats(self.buffers[l % 2], target[0], target[1].layer_columns(l),
-                                          target[1].local_row, per_micro=True)
-                      for l in range(L)] if target is not None and target[1].local == "micro" else []
+        self.full_buffers.bind(target)
 
     def events(self) -> list[Any]:
-        return list(self.free)
+        return self.full_buffers.events()
 
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
         """Buffer ``layer % 2`` for layer ``layer``'s gradients (inline, on micro-step 0: the
         layer's shards); always overwrite (``False``), except ``zero_init`` tensors, which are
         zeroed on ``stream`` and added into. ``stream`` waits until the buffer's previous
         exchange is done."""
-        if not self.ctx.inline:
-            self.ctx.wait(self.free[layer % 2], stream)
-        full = self.full(layer)
+        full = self.full(layer) if self.ctx.inline else self.full_buffers.hand_out(layer, stream)
         self.ctx.zero_init(full.tensors(), stream)
         return full, False
 
     def full(self, layer: int) -> Container:
         if self.ctx.inline and self.ctx.first:
             return self.shard_containers[layer]
-        return self.containers[layer % 2]
+        return self.full_buffers.containers[layer % 2]
 
     def notify(self, layer: int, stream: StreamLike) -> None:
         ctx = self.ctx
@@ -100,10 +92,9 @@ class ScatterReduce(Strategy):
                 self.acc[layer](stream_handle(stream))
             return
         ctx.join(stream)
-        if self.local:
-            self.local[layer](ctx.comm_handle)
+        self.full_buffers.measure(layer)
         self.exchange(layer)
-        ctx.record(self.free[layer % 2], ctx.comm_stream)
+        self.full_buffers.release(layer)
 
     def exchange(self, layer: int) -> None:
         """Queue layer ``layer``'s exchange and accumulation on the communication stream."""
@@ -128,4 +119,4 @@ class ScatterReduce(Strategy):
         return [t for ts in self.shard_tensors for t in ts]
 
     def owned(self) -> list[Tensor]:
-        return [t for ts in (*self.buffers, *self.shard_tensors) for t in ts]
+        return self.full_buffers.owned() + [t for ts in self.shard_tensors for t in ts]
