@@ -217,3 +217,21 @@ def test_torch_shards_equal_the_manager_driven_by_hand(two_nodes: None) -> None:
     pytest.importorskip("torch")
     from test_torch_adapter import test_shards_equal_the_manager_driven_by_hand as by_hand
     by_hand(4, "hierarchical", True)
+
+
+def test_a_rank_that_does_not_create_its_manager_fails_the_others_in_bounded_time() -> None:
+    """Creating the manager splits the communicator, a collective: a rank that never creates it
+    makes the others' creation fail (CommTimeoutError naming it), with nothing left open."""
+    import time
+    layout = small_layout()
+
+    def fn(c: Any) -> None:
+        if c.rank == 3:
+            time.sleep(1.0)
+            return
+        lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2)
+
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommTimeoutError, match=r"\[3\]"):
+        lg.run_threads(4, fn, timeout=0.3)
+    assert time.monotonic() - t0 < 5

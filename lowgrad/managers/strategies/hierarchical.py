@@ -93,10 +93,21 @@ class Hierarchical(Strategy):
         self.n, self.g = divmod(rank, G)
         # collectives over every rank, in the same order on each; one node (G = W) or one rank
         # per node (G = 1) is the manager's communicator itself
-        split = 1 < G < W
-        self.node = ctx.comm.split(self.n) if split else ctx.comm
-        self.cross = ctx.comm.split(self.g) if split else ctx.comm
-        self.split = [self.node, self.cross] if split else []
+        self.split: list[Any] = []
+        try:
+            for color in ((self.n, self.g) if 1 < G < W else ()):
+                self.split.append(ctx.comm.split(color))
+            self.allocate(group_size)
+        except BaseException:  # nothing left behind: a failed manager is not closed
+            self.close()
+            raise
+        self.node, self.cross = self.split if self.split else (ctx.comm, ctx.comm)
+        self.add: list[Callable[[int], None]] = []
+        self.bind(None)
+
+    def allocate(self, G: int) -> None:
+        """The buffers, the accumulators and the views the exchange works on."""
+        ctx, N = self.ctx, self.N
         L, block = ctx.layout.num_layers, ctx.layout.block
         self.full_buffers = AlternatingBuffers(ctx)
         self.buffers = self.full_buffers.buffers
@@ -104,15 +115,12 @@ class Hierarchical(Strategy):
         self.acc = [[acc_lazy.alloc((s.shape[0] // G,) + s.shape[1:], ctx.dtype, "block_grad_node_shards")
                      for s in block] for _ in range(L)]
         acc_lazy.commit()
-        N = self.N
         # the N slices of 1/N of each tensor the node reduces, and this rank's chunk of each
         self.slices = [[[shard_view(t, k, N) for k in range(N)] for t in buf] for buf in self.buffers]
         self.own = [[[shard_view(v, self.g, G) for v in vs] for vs in buf] for buf in self.slices]
         self.pieces = [[[shard_view(a, k, N) for k in range(N)] for a in acc] for acc in self.acc]
         self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
-        self.add: list[Callable[[int], None]] = []
-        self.bind(None)
 
     def bind(self, target: StatsTarget | None) -> None:
         """The SR adds of the node's chunks into the accumulator pieces (noise of the chunks'
