@@ -49,6 +49,17 @@ def test_every_fault_is_survived_and_the_run_equals_the_clean_one(tmp_path: Path
     assert [c["rank"] for c in r["comparison"]] == list(range(world))
 
 
+@pytest.mark.timeout(240)
+def test_hierarchical_at_two_nodes_survives_every_fault(tmp_path: Path) -> None:
+    """World 4 as 2 nodes of 2 ranks: every fault survived, the run equal to the clean one."""
+    rc, r = run(tmp_path, "--world", "4", "--strategy", "hierarchical", "--group-size", "2")
+    assert rc == 0 and r["ok"] and (r["strategy"], r["group_size"]) == ("hierarchical", 2), r
+    assert all(v["survived"] == v["injected"] == v["scheduled"] for v in r["faults"].values())
+    assert sum(v["injected"] for v in r["faults"].values()) >= 4
+    for c in r["comparison"]:
+        assert c["identical"] == c["total"] > 100 and c["max_abs_diff"] == 0.0, c
+
+
 @pytest.mark.timeout(120)
 def test_a_clean_run_that_reuses_the_skipped_step_numbers_differs(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +83,8 @@ def test_a_recovery_that_does_not_discard_fails_the_soak(tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize("args", [["--world", "0"], ["--steps", "x"], ["--layers", "1"], ["--bogus"],
                                   ["--fault-rate", "2"], ["--world", "3"],  # 256 rows do not split in 3
-                                  ["--backend", "nccl"]])  # outside a launcher
+                                  ["--backend", "nccl"],  # outside a launcher
+                                  ["--group-size", "2"], ["--strategy", "hierarchical", "--group-size", "0"]])
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):

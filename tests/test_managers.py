@@ -13,7 +13,8 @@ import lowgrad as lg
 from lowgrad.managers import ProtocolError
 
 STRATS = [("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
-          ("all_to_all", True)]
+          ("all_to_all", True),
+          ("hierarchical", False), ("hierarchical", True)]
 
 
 def small_layout(layers: int = 3, zero_init: bool = False) -> lg.Layout:

@@ -176,3 +176,45 @@ def test_the_default_inputs_are_the_newest_runs_by_number(tmp_path: Path) -> Non
     assert ps.newest("bench_layer.json", str(tmp_path)) == str(tmp_path / "bench_layer.json")
     args = ps.parse_args(["--benchmarks", str(tmp_path)])
     assert args.bench_kernels.endswith("run12/bench_kernels.json") and args.bench_layer.endswith("bench_layer.json")
+
+
+def mn(result: dict[str, Any], model: str, strategy: str, nodes: int) -> dict[str, Any]:
+    return next(r for r in result["multi_node"] if (r["model"], r["strategy"], r["nodes"]) == (model, strategy, nodes))
+
+
+def test_hierarchical_sends_fewer_bytes_between_nodes_by_the_micro_steps(result: dict[str, Any]) -> None:
+    """Per step a rank's NIC carries M (W-1)/W / G of the layer for scatter_reduce, (N-1)/N / G
+    for hierarchical: fewer by more than the M micro-steps; hierarchical's accumulator is 1/G,
+    N times scatter_reduce's shard; it crosses the nodes at the last micro-step only."""
+    M, G = ps.Config().micro_steps, ps.Config().gpus_per_node
+    for model in ps.MODELS:
+        for n in ps.NODES:
+            sr, h = mn(result, model, "scatter_reduce", n), mn(result, model, "hierarchical", n)
+            assert h["inter_node_bytes_per_step"] * M < sr["inter_node_bytes_per_step"]
+            assert sr["inter_node_bytes_per_step"] / h["inter_node_bytes_per_step"] == pytest.approx(
+                M * (1 - 1 / (n * G)) / (1 - 1 / n))
+            assert h["accumulator_bytes"] == sr["accumulator_bytes"] * n
+            assert h["middle_ms"] < h["last_ms"] and sr["middle_ms"] == sr["last_ms"]
+            assert h["middle_ms"] == mn(result, model, "hierarchical", ps.NODES[0])["middle_ms"]  # within the node
+
+
+def test_the_inter_node_link_moves_the_predictions_the_right_way(measured: Any) -> None:
+    """A slower link between nodes slows scatter_reduce every micro-step and hierarchical at its
+    last only: below the NVLink rate hierarchical's mean micro-step is the faster; one node is
+    scatter_reduce's ring within the node either way."""
+    lay = ps.lg.llama_layout(BIG)
+    fast = {r["strategy"]: r for r in ps.multi_node(BIG, lay, 4, measured, ps.Config())}
+    slow = {r["strategy"]: r for r in ps.multi_node(BIG, lay, 4, measured, ps.Config(inter_node_gbps=6.25))}
+    assert slow["scatter_reduce"]["middle_ms"] > fast["scatter_reduce"]["middle_ms"]
+    assert slow["hierarchical"]["middle_ms"] == fast["hierarchical"]["middle_ms"]
+    assert slow["hierarchical"]["last_ms"] > fast["hierarchical"]["last_ms"]
+    assert slow["hierarchical"]["mean_ms"] < slow["scatter_reduce"]["mean_ms"] / 3
+    one = {r["strategy"]: r for r in ps.multi_node(BIG, lay, 1, measured, ps.Config(inter_node_gbps=1.0))}
+    assert one["hierarchical"]["mean_ms"] == pytest.approx(one["scatter_reduce"]["mean_ms"])
+    assert one["hierarchical"]["inter_node_bytes_per_step"] == one["scatter_reduce"]["inter_node_bytes_per_step"] == 0
+
+
+def test_bad_multi_node_options_are_refused() -> None:
+    for args in (["--inter-node-gbps", "0"], ["--gpus-per-node", "0"], ["--nodes", "x"]):
+        with pytest.raises(SystemExit):
+            ps.parse_args(args)

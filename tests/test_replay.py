@@ -78,7 +78,7 @@ def step(gm: Any, layout: lg.Layout, m: int, M: int, produce: tuple[str, ...] = 
     gm.end_micro_step(s)
 
 
-@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all", "hierarchical"])
 def test_templates_restore_state_and_replays_follow_the_protocol(strategy: str, fake_capture: Any) -> None:
     layout = small_layout()
     assert lg.run_threads(1, lambda comm: run_templates(comm, layout, strategy, fake_capture)) == [True]

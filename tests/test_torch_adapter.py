@@ -130,8 +130,8 @@ def test_layout_follows_the_module() -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all", "hierarchical"])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str, overlap: bool) -> None:
     M = 3
 

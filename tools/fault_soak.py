@@ -49,6 +49,7 @@ except ImportError as _exc:
 
 import lowgrad as lg  # noqa: E402
 import lowgrad.torch  # noqa: E402
+from lowgrad.managers import STRATEGIES  # noqa: E402
 
 KINDS = ("nonfinite", "forward", "backward", "data", "badarg")
 SKIPPING = KINDS[:4]  # a step with such a fault is skipped on every rank
@@ -191,7 +192,8 @@ def train(comm: Any, a: argparse.Namespace, template: Any, device: torch.device,
     """The faulty run (``skip`` None: this rank's faults injected) or the clean twin, which never
     runs the steps in ``skip``: the final state, each step's opt.step() result, a record per fault."""
     model = copy.deepcopy(template).to(device)
-    att = lowgrad.torch.attach(model, comm, strategy=a.strategy, seed=a.seed)
+    options = {} if a.group_size is None else {"group_size": a.group_size}
+    att = lowgrad.torch.attach(model, comm, strategy=a.strategy, seed=a.seed, **options)
     opt = lowgrad.torch.ShardOptimizer(att, torch.optim.AdamW, master_weights=True, lr=1e-3, weight_decay=0.1)
     try:  # closed however the run ends: a crashed run must not leave its views and buffers behind
         applied, records = [], []
@@ -261,6 +263,7 @@ def summarize(a: argparse.Namespace, backend: str, faults: dict[int, Fault], res
         all(r["comparison"]["identical"] == r["comparison"]["total"] for r in results)
     return {"ok": ok, "backend": backend, "world": a.world, "ranks": ranks, "steps": a.steps,
             "micro_steps": a.micro_steps, "fault_rate": a.fault_rate, "seed": a.seed, "strategy": a.strategy,
+            "group_size": a.group_size,
             "model": {"hidden": a.hidden, "layers": a.layers, "seq": a.seq, "batch": a.batch}, "faults": kinds,
             "applied": expected.count(True), "skipped": expected.count(False), "steps_as_expected": steps_ok,
             "seconds": round(seconds, 2), "comparison": [{"rank": r["rank"], **r["comparison"]} for r in results],
@@ -297,7 +300,9 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     p.add_argument("--micro-steps", type=int, default=3)
     p.add_argument("--fault-rate", type=float, default=0.3, help="probability that a step has a fault")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strategy", choices=("scatter_reduce", "all_to_all", "unsharded"), default="scatter_reduce")
+    p.add_argument("--strategy", choices=tuple(STRATEGIES), default="scatter_reduce")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="hierarchical: ranks per node (default: the launcher's, else one node)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--seq", type=int, default=16)
@@ -310,7 +315,9 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
                       (a.layers >= 2, "--layers must be >= 2"), (a.timeout > 0, "--timeout must be > 0"),
                       (a.hidden >= 8 and a.hidden % 8 == 0, "--hidden must be a positive multiple of 8"),
                       (a.batch >= 1 and 1 <= a.seq < len(_TEXT) // 2, "--batch and --seq must be positive"),
-                      (a.world is None or a.world >= 1, "--world must be >= 1")]:
+                      (a.world is None or a.world >= 1, "--world must be >= 1"),
+                      (a.group_size is None or a.strategy == "hierarchical" and a.group_size >= 1,
+                       "--group-size applies to --strategy hierarchical and must be >= 1")]:
         if not good:
             raise ValueError(msg)
     backend = a.backend

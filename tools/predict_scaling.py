@@ -13,6 +13,11 @@ timeline follows docs/protocol.md: two block buffers (the engine runs at most on
 the exchange) and the engine waits for all traffic at the end of every micro-step. Every
 assumption is printed with the number it predicts, for the first multi-GPU run to check.
 
+Across nodes (``--nodes``, ``--gpus-per-node``, ``--inter-node-gbps``): scatter_reduce's ring
+spanning the nodes at the inter-node link's rate every micro-step, against the hierarchical
+strategy's reduce-scatter within the node every micro-step and one across the nodes, of 1/G of the
+layer, at the last.
+
     PYTHONPATH=. python3 tools/predict_scaling.py --json $OUT/predict_scaling.json
 """
 from __future__ import annotations
@@ -68,6 +73,13 @@ HOST_DRAM_GBPS = 614.4
 NCCL_SMS = 16  # SMs an NCCL collective holds (one block per channel; NCCL picks 16-32 on H100)
 NCCL_HOST_US = 10.0  # host time of one NCCL group launch (ncclGroupEnd), on top of the world-1 host path
 
+# Between nodes: one 400 Gb/s NDR InfiniBand NIC (ConnectX-7) per GPU on DGX/HGX H100 and H200,
+# 400 Gb/s = 50 GB/s each way. A ring across nodes crosses each node boundary with (W-1)/W of the
+# data, spread over the node's G NICs: it runs at min(NVLink bus bandwidth, G x this).
+INTER_NODE_GBPS = 50.0
+GPUS_PER_NODE = 8
+NODES = (2, 4, 8)
+
 MODELS = ("Qwen2.5-1.5B", "Qwen2.5-7B")  # lowgrad presets: Hugging Face config.json values of Qwen/<name>
 WORLDS = (1, 2, 4, 8)
 LAYER_VARIANT = "multi, resident grid, device seeds"  # bench_layer row: what the managers launch
@@ -118,6 +130,8 @@ class Config:
     host_dram_gbps: float = HOST_DRAM_GBPS
     nccl_sms: int = NCCL_SMS
     nccl_host_us: float = NCCL_HOST_US
+    inter_node_gbps: float = INTER_NODE_GBPS
+    gpus_per_node: int = GPUS_PER_NODE
 
 
 def label(strategy: str, offload: bool) -> str:
@@ -339,8 +353,39 @@ def predict_bench(layout: lg.Layout, strategy: str, offload: bool, world: int, m
     return nb + max(pipe, L * (b + (0.0 if offload else s)))
 
 
+# ---- across nodes: scatter_reduce against hierarchical -----------------------------------------
+def multi_node(model: str, layout: lg.Layout, nodes: int, m: Measured, cfg: Config) -> list[dict[str, Any]]:
+    """Per layer of ``model`` on ``nodes`` nodes of ``cfg.gpus_per_node`` GPUs: the exchange and SR
+    of a middle and of the last micro-step, their mean over a step, and the bytes a rank's NIC
+    sends to other nodes per step, for scatter_reduce (a ring over all W ranks every micro-step, at
+    min(NVLink bus bandwidth, G x the per-GPU inter-node rate) where it spans nodes: (W-1)/W of the
+    layer leaves each node, a 1/G share through each NIC) and hierarchical (the node's
+    reduce-scatter at the NVLink rate every micro-step into a 1/G accumulator; the reduce-scatter of
+    that 1/G among the N ranks of one local index, each over its own NIC, at the last micro-step
+    only)."""
+    G, M, S = cfg.gpus_per_node, cfg.micro_steps, layer_bytes(layout)
+    W = G * nodes
+    layout.check_world(W)
+    b, lat = backward_ms(layout, cfg), cfg.latency_us * 1e-3
+    span = replace(cfg, rs_busbw_gbps=min(cfg.rs_busbw_gbps, G * cfg.inter_node_gbps)) if nodes > 1 else cfg
+    ring = reduce_scatter_ms(S, W, span) + add_sr_ms(3 * S / W, m)
+    inter = 0.0 if nodes == 1 else lat + S / G * (nodes - 1) / nodes / (cfg.inter_node_gbps * 1e6)
+    node = reduce_scatter_ms(S, G, cfg) + add_sr_ms(3 * S / G, m)
+    out = []
+    for strategy, middle, last, wire, acc in (
+            ("scatter_reduce", ring, ring, M * S * (W - 1) / W / G if nodes > 1 else 0.0, S / W),
+            ("hierarchical", node, node + inter, S / G * (nodes - 1) / nodes, S / G)):
+        mean = ((M - 1) * middle + last) / M
+        out.append({"model": model, "strategy": strategy, "nodes": nodes, "gpus_per_node": G, "world": W,
+                    "middle_ms": middle, "last_ms": last, "mean_ms": mean, "backward_ms": b,
+                    "hidden_last": min(1.0, b / last), "inter_node_bytes_per_step": wire,
+                    "accumulator_bytes": acc})
+    return out
+
+
 # ---- the whole table --------------------------------------------------------------------------
-def run(models: list[str], worlds: list[int], m: Measured, cfg: Config) -> dict[str, Any]:
+def run(models: list[str], worlds: list[int], m: Measured, cfg: Config,
+        nodes: tuple[int, ...] = NODES) -> dict[str, Any]:
     """Every prediction, the world-1 calibration against bench_manager, the bench predictions at
     world > 1 and the assumptions list."""
     layouts = {name: lg.llama_layout(name) for name in models}
@@ -354,6 +399,7 @@ def run(models: list[str], worlds: list[int], m: Measured, cfg: Config) -> dict[
     out = {"date": time.strftime("%Y-%m-%d"), "config": asdict(cfg), "measured": asdict(m) | {
         "layer_sr_eff": m.layer_sr_eff}, "rows": rows, "bench_manager": bench}
     out["assumptions"] = assumptions(rows, bench, layouts, m, cfg)
+    out["multi_node"] = [r for name, lay in layouts.items() for n in nodes for r in multi_node(name, lay, n, m, cfg)]
     return out
 
 
@@ -500,6 +546,16 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def multi_node_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = [f"{'model':<14}{'strategy':<16}{'nodes':>6}{'W':>4}{'middle ms':>11}{'last ms':>9}{'mean ms':>9}"
+           f"{'bwd ms':>8}{'inter-node MB/step':>20}{'acc MB':>8}"]
+    for r in rows:
+        out.append(f"{r['model']:<14}{r['strategy']:<16}{r['nodes']:>6}{r['world']:>4}{r['middle_ms']:>11.3f}"
+                   f"{r['last_ms']:>9.3f}{r['mean_ms']:>9.3f}{r['backward_ms']:>8.3f}"
+                   f"{r['inter_node_bytes_per_step'] / 1e6:>20.1f}{r['accumulator_bytes'] / 1e6:>8.1f}")
+    return out
+
+
 def bench_lines(bench: list[dict[str, Any]]) -> list[str]:
     out = [f"{'strategy':<24}{'W':>3}{'predicted ms':>14}{'measured ms':>13}{'GIL host ms':>13}"]
     for b in bench:
@@ -526,6 +582,14 @@ def markdown(result: dict[str, Any], command: str) -> str:
     lines += [f"| {b['label']} | {b['world']} | {b['predicted_ms']:.3f} | "
               f"{'-' if b['measured_ms'] is None else format(b['measured_ms'], '.3f')} | {b['host_ms_gil_bound']:.2f} |"
               for b in result["bench_manager"]]
+    lines += ["", (f"Across nodes of {result['config']['gpus_per_node']} GPUs, "
+                   f"{result['config']['inter_node_gbps']:.0f} GB/s per GPU between nodes, per layer:"), "",
+              "| model | strategy | nodes | W | middle ms | last ms | mean ms | backward ms | inter-node MB/step | "
+              "accumulator MB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['strategy']} | {r['nodes']} | {r['world']} | {r['middle_ms']:.3f} | "
+              f"{r['last_ms']:.3f} | {r['mean_ms']:.3f} | {r['backward_ms']:.3f} | "
+              f"{r['inter_node_bytes_per_step'] / 1e6:.1f} | {r['accumulator_bytes'] / 1e6:.1f} |"
+              for r in result["multi_node"]]
     lines += ["", "Assumptions that the first multi-GPU run can confirm or refute:", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(result["assumptions"], 1)]
     return "\n".join(lines) + "\n"
@@ -563,31 +627,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-dram", type=float, default=d.host_dram_gbps, help="host DRAM GB/s shared by offload")
     p.add_argument("--nccl-sms", type=int, default=d.nccl_sms)
     p.add_argument("--nccl-host-us", type=float, default=d.nccl_host_us)
+    p.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
+                   help="per-GPU bandwidth between nodes, GB/s (the hierarchical strategy's slow link)")
+    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    p.add_argument("--nodes", default=",".join(map(str, NODES)), help="comma list of node counts (across nodes)")
     p.add_argument("--json", help=output_help("predict_scaling.json"))
     p.add_argument("--markdown", default=None, help="also write the section as Markdown to this path")
     args = p.parse_args(argv)
     for tool in ("bench_kernels", "bench_manager", "bench_layer"):
         if getattr(args, tool) is None:
             setattr(args, tool, newest(f"{tool}.json", args.benchmarks))
-    try:
-        int_list(1)(args.worlds)
-    except argparse.ArgumentTypeError as exc:
-        p.error(f"--worlds: {exc}")
+    for opt, value in (("--worlds", args.worlds), ("--nodes", args.nodes)):
+        try:
+            int_list(1)(value)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"{opt}: {exc}")
+    if args.inter_node_gbps <= 0 or args.gpus_per_node < 1:
+        p.error("--inter-node-gbps must be > 0 and --gpus-per-node >= 1")
     return args
 
 
 def config_of(args: argparse.Namespace) -> Config:
     return replace(Config(), rs_busbw_gbps=args.rs_busbw, p2p_gbps=args.p2p, latency_us=args.latency_us,
                    peak_tflops=args.peak_tflops, mfu=args.mfu, tokens=args.tokens, micro_steps=args.micro_steps,
-                   host_dram_gbps=args.host_dram, nccl_sms=args.nccl_sms, nccl_host_us=args.nccl_host_us)
+                   host_dram_gbps=args.host_dram, nccl_sms=args.nccl_sms, nccl_host_us=args.nccl_host_us,
+                   inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     models, worlds = [x for x in args.models.split(",") if x], int_list(1)(args.worlds)
+    nodes = tuple(int_list(1)(args.nodes))
     for model in models:
         for w in worlds:
             check_world(load_layout(model, "--models"), w, f"--worlds ({model}): world")
+        for n in nodes:
+            check_world(load_layout(model, "--models"), n * args.gpus_per_node, f"--nodes ({model}): world")
     args.json = output_path("predict_scaling.json", args.json)
     if args.markdown:
         output_path("", args.markdown)  # its folder exists
@@ -597,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         raise CannotRun(f"cannot read the bench JSON ({type(exc).__name__}: {exc}); give --bench-kernels, "
                         "--bench-manager and --bench-layer") from None
     cfg = config_of(args)
-    result = run(models, worlds, m, cfg)
+    result = run(models, worlds, m, cfg, nodes)
     print(f"predict_scaling: copy {m.copy_gbps:.0f} GB/s, pinned SR {m.pinned_sr_gbps:.1f} GB/s "
           f"(H2D {m.h2d_gbps:.1f} + D2H {m.d2h_gbps:.1f}), SR launch {m.sr_fixed_us:.1f} us + bytes at "
           f"{m.layer_sr_eff:.3f} x copy; "
@@ -610,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table_lines(result["rows"])))
     print(f"\ntools/bench_manager.py --world W ({m.bench_config}, synthetic copy engine, a middle micro-step):")
     print("\n".join(bench_lines(result["bench_manager"])))
+    print(f"\nacross nodes of {cfg.gpus_per_node} GPUs, {cfg.inter_node_gbps:.0f} GB/s per GPU between nodes; per "
+          "layer: exchange + SR of a middle and of the last micro-step, their mean over a step (ms), the bytes a "
+          "rank sends between nodes per step, the accumulator:")
+    print("\n".join(multi_node_lines(result["multi_node"])))
     print("\nassumptions that the first multi-GPU run can confirm or refute:")
     for i, a in enumerate(result["assumptions"], 1):
         print(f"{i:>2}. {a}")

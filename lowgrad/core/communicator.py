@@ -85,6 +85,25 @@ def all_to_all_source(rank: int, world: int, slot: int) -> int:
     return (rank - ((slot - rank) % world) - 1) % world
 
 
+#: split colors and keys are C ints in NCCL (ncclCommSplit): every backend takes the same range
+SPLIT_LIMIT = 2**31
+
+
+def check_split(comm: CommBase, color: Any, key: Any) -> tuple[int, int]:
+    """The arguments of :meth:`CommBase.split` checked before anything happens: ``color`` an int
+    in ``[0, 2**31)``, ``key`` None (this rank) or an int in ``[-2**31, 2**31)``; the communicator
+    open and outside a group."""
+    comm._check_open("split")
+    comm._check_not_grouped("split")
+    color = integer("split color", color)
+    if not 0 <= color < SPLIT_LIMIT:
+        raise ValueError(f"split: color must be in [0, 2**31), got {color}")
+    key = comm.rank if key is None else integer("split key", key)
+    if not -SPLIT_LIMIT <= key < SPLIT_LIMIT:
+        raise ValueError(f"split: key must be in [-2**31, 2**31), got {key}")
+    return color, key
+
+
 class CommBase(ABC):
     """The communicator contract both backends implement (NCCL: :class:`lowgrad.Communicator`;
     host: :class:`lowgrad.HostCommunicator`).
@@ -270,6 +289,22 @@ class CommBase(ABC):
         """Block until ``what`` (an event, a stream, a raw stream handle; None: the default
         stream) has completed, watching for communication errors: an asynchronous error or
         ``timeout`` seconds (default: the communicator's) abort the communicator and raise."""
+
+    def split(self, color: int, key: int | None = None) -> CommBase:
+        """A new communicator for each ``color``: a collective over every rank of this one
+        (each calls it once, in the same order as its other collectives); the ranks that pass
+        the same ``color`` form one new communicator of the same backend on the same device,
+        their new ranks in the order of (``key``, rank here); ``key`` defaults to this rank (the
+        parent's order). ``color``: an int in ``[0, 2**31)``; ``key``: an int in
+        ``[-2**31, 2**31)``; TypeError/ValueError before anything happens. The new communicator
+        is independent of this one (its own ``close``/``abort``; an abort here does not reach it),
+        with this one's timeout."""
+        color, key = check_split(self, color, key)
+        return self._split(color, key)
+
+    def _split(self, color: int, key: int) -> CommBase:
+        """Backend hook of :meth:`split`, its arguments checked."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split yet")
 
     # ---- written once on the backend primitives ----------------------------------------
     def all_to_all_skip(self) -> int:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.integers import integer
 from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout, wait_slice
 
 _MISSING = object()
+T = TypeVar("T")
 
 
 class ThreadCollective:
@@ -43,6 +45,7 @@ class ThreadCollective:
         self._mail: dict[tuple[int, int, str], deque[Any]] = {}
         self._failure: tuple[type[Exception], str] | None = None
         self._left: set[int] = set()  # ranks that closed their communicator
+        self._children: list[Any] = []  # what was split from it (split_collective): aborted with it
 
     @property
     def failed(self) -> bool:
@@ -61,6 +64,9 @@ class ThreadCollective:
             if self._failure is None:
                 self._failure = (exc_type, reason)
             self._cv.notify_all()
+            children = list(self._children)
+        for child in children:  # outside the lock: a child's abort takes its own
+            child.abort(reason)
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` closed its communicator: it will deposit and post nothing more. A rank
@@ -153,6 +159,42 @@ class ThreadCollective:
                                f"from rank {src}; aborted")
                 self._cv.wait(wait_slice(left))
             return q.popleft()
+
+    def split(self, rank: int, color: int, key: int, timeout: float, make: Callable[[int], T]) -> tuple[int, T]:
+        """A communicator split over the ranks of this collective (every rank calls it): this rank's
+        new rank and what the ranks of its color share, made once by their new rank 0 with
+        ``make(size)`` (a :class:`ThreadCollective`, or a group built on one) and handed to the others
+        through a second meeting. When ``make`` raises, every rank of that color raises: the maker its
+        exception, the others a RuntimeError naming it. What is made is aborted with this collective
+        (its ``abort(reason)``): a rank that fails under :func:`~lowgrad.run_threads` wakes the ranks
+        waiting in a split communicator too."""
+        groups = split_groups(self.agree(rank, ("split",), timeout, (color, key)))
+        members = groups[color]
+        made: Any = None
+        if members[0] == rank:
+            try:
+                made = make(len(members))
+            except Exception as exc:  # noqa: BLE001 - any failure is handed to the peers, then raised here
+                made = exc
+        if members[0] == rank and not isinstance(made, Exception):
+            with self._cv:
+                self._children.append(made)
+        shared = self.exchange(rank, made, timeout)[members[0]]
+        if isinstance(shared, Exception):
+            if members[0] == rank:
+                raise shared
+            raise RuntimeError(f"split: rank {members[0]} could not create the new communicator of color {color}: "
+                               f"{type(shared).__name__}: {shared}")
+        return members.index(rank), shared
+
+
+def split_groups(colors_keys: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    """Each color's ranks in their new order, by (key, rank): what a communicator split makes of
+    every rank's ``(color, key)``."""
+    groups: dict[int, list[int]] = {}
+    for r in sorted(range(len(colors_keys)), key=lambda r: (colors_keys[r][1], r)):
+        groups.setdefault(colors_keys[r][0], []).append(r)
+    return groups
 
 
 class AbortEvent(threading.Event):

@@ -294,6 +294,21 @@ class LoopbackCommunicator(GpuCommBase):
             g.join(self)
             self._captured += 1
 
+    def _split(self, color: int, key: int) -> LoopbackCommunicator:
+        """The ranks of ``color`` get a new :class:`LoopbackGroup` of their own on this device
+        (its counters, table, status words and one stream per rank, made by its new rank 0 and
+        handed to the others through the threads' meeting), with this communicator's timeout. An
+        abort of this group reaches it. Not inside a graph capture (it allocates)."""
+        capture.forbid("split (it allocates a loopback group)")
+        group, timeout = self.shared, self.timeout
+        try:
+            rank, child = group.meet.split(self.rank, color, key, timeout,
+                                           lambda size: LoopbackGroup(group.device, size, timeout))
+        except (CommAbortedError, CommTimeoutError):
+            group.abort()
+            raise
+        return LoopbackCommunicator(rank, child, timeout)
+
     # ---- the Graph participant protocol (lowgrad.cuda.graph.Participant) ---------------
     def capture_closing(self, stream: int) -> None:
         """Nothing to join: every loopback kernel ran on the captured stream."""

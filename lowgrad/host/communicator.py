@@ -183,6 +183,14 @@ class HostCommunicator(CommBase):
         check_timeout(timeout, self.timeout)
         self._check_open("wait")
 
+    def _split(self, color: int, key: int) -> HostCommunicator:
+        """The ranks of ``color`` get a new :class:`ThreadCollective` of their own (their meetings
+        and mailboxes are apart from this one's), with this communicator's timeout and device."""
+        timeout = self.timeout
+        rank, collective = self.collective.split(self.rank, color, key, timeout,
+                                                 lambda size: ThreadCollective(size, timeout))
+        return HostCommunicator(rank, collective.world, collective, self.device, timeout)
+
     # ---- groups ------------------------------------------------------------------------
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)

@@ -7,20 +7,13 @@ from lowgrad.core.dtypes import DType, bf16
 from lowgrad.core.errors import ProtocolError
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.manager import GradientManager
-from lowgrad.managers.sharded import AllToAllManager, ShardedManager
-from lowgrad.managers.unsharded import UnshardedManager
-
-STRATEGIES: dict[str, type[GradientManager]] = {
-    "unsharded": UnshardedManager,
-    "scatter_reduce": ShardedManager,
-    "all_to_all": AllToAllManager,
-}
+from lowgrad.managers.strategies import STRATEGIES
 
 
 def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
                             dtype: DType | str = bf16, seed: int = 0, step: int = 0,
                             rounding: str | None = None, inline: bool | None = None,
-                            stats: bool = False) -> GradientManager:
+                            stats: bool = False, **options: Any) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
     ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
@@ -43,17 +36,12 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     finite |x|) of every micro-step's gradient inside the kernels that consume it, and of each
     rank's own gradient before the exchange at world > 1; read them with ``gm.stats()`` /
     ``gm.step_stats()`` (docs/diagnostics.md).
+
+    ``options``: the strategy's own (``STRATEGIES[strategy].check`` says which; a strategy
+    without options refuses every one with TypeError).
     """
-    if not isinstance(strategy, str):  # a list or dict would fail the lookup as "unhashable"
-        raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}; got {type(strategy).__name__} "
-                        f"{strategy!r}")
-    try:
-        cls = STRATEGIES[strategy]
-    except KeyError:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}") from None
-    return cls(layout, comm, dtype=dtype, seed=seed, step=step, offload=offload, rounding=rounding, inline=inline,
-               stats=stats)
+    return GradientManager(layout, comm, strategy, offload=offload, dtype=dtype, seed=seed, step=step,
+                           rounding=rounding, inline=inline, stats=stats, **options)
 
 
-__all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "UnshardedManager", "ShardedManager",
-           "AllToAllManager", "STRATEGIES"]
+__all__ = ["create_gradient_manager", "GradientManager", "ProtocolError", "STRATEGIES"]

@@ -2,8 +2,11 @@
 :mod:`lowgrad.managers.protocol`), the non-block gradients, per-use seeds, the streams and events
 between the engine and the manager, the global norm, the saved state
 (:mod:`lowgrad.managers.state`) and CUDA-graph capture and replay (the template's data:
-:mod:`lowgrad.managers.replay`). A strategy (:mod:`lowgrad.managers.sharded`,
-:mod:`lowgrad.managers.unsharded`) fills in the block half through a few narrow hooks.
+:mod:`lowgrad.managers.replay`). A strategy (:mod:`lowgrad.managers.strategy`, one file each in
+:mod:`lowgrad.managers.strategies`) is its collaborator for the block half: the manager checks
+each call, then hands the strategy the work through its interface, and lends it a narrow
+:class:`~lowgrad.managers.strategy.StrategyContext` (communicator, streams, seed counter, events,
+micro-step position) and nothing else.
 
 Protocol (``docs/protocol.md``), per micro-batch::
 
@@ -37,47 +40,40 @@ only through the :class:`GraphHooks` it was handed at the capture (nothing here 
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lowgrad import ops
 from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32, fp64
+from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
 from lowgrad.core.errors import ClosedError, ProtocolError
 from lowgrad.core.integers import integer
-from lowgrad.core.kernels import StatsSink
 from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Container, Tensor, shard_view
 from lowgrad.core.trace import nvtx_range
-from lowgrad.diagnostics.report import StepStats, check_names
-from lowgrad.managers.layout import Layout, ParamSpec
-from lowgrad.managers.protocol import MicroStepState, check_step, check_step_room
-from lowgrad.managers.replay import GraphHooks, Recording, Replayed, Template
+from lowgrad.diagnostics.report import StepStats
+from lowgrad.managers.layout import Layout
+from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room
+from lowgrad.managers.replay import Capture, CaptureContext
 from lowgrad.managers.state import ManagerState
-from lowgrad.managers.stats import FIELDS, HostRows, StatsReading, StatsRows
-from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter, check_rounding
+from lowgrad.managers.stats import Statistics, StatisticsContext, StatsReading
+from lowgrad.managers.strategies import strategy_class
+from lowgrad.managers.strategy import Strategy, StrategyContext
+from lowgrad.sr.seedcounter import SeedCounter, check_rounding
 
 GRAD_DTYPES = (bf16, fp32)
 
 
-class GradientManager(ABC):
-    """One rank's gradients, driven by the engine through the micro-step protocol.
+class GradientManager:
+    """One rank's gradients, driven by the engine through the micro-step protocol; the arguments
+    are :func:`lowgrad.create_gradient_manager`'s. Its strategy (``strategy``: the name) does the
+    block half, through the interface of :class:`~lowgrad.managers.strategy.Strategy`."""
 
-    A strategy subclass supplies the block half through its hooks: ``_alloc_blocks`` (buffers,
-    shards, their events), ``block_full``/``_full`` (what the engine writes a layer into),
-    ``_exchange_block`` (what a notified layer queues), ``block_shard``/``_block_shards`` (what
-    the optimizer reads) and ``_owned`` (what ``close`` frees)."""
-
-    strategy = ""
-
-    #: the rounding of a manager created without one (None: the manager rounds nothing itself)
-    _default_rounding: str | None = DEFAULT_ROUNDING
-
-    def __init__(self, layout: Layout, comm: Any, dtype: DType | str = bf16, seed: int = 0, step: int = 0,
-                 offload: bool = False, rounding: str | None = None, inline: bool | None = None,
-                 stats: bool = False) -> None:
+    def __init__(self, layout: Layout, comm: Any, strategy: str = "unsharded", offload: bool = False,
+                 dtype: DType | str = bf16, seed: int = 0, step: int = 0, rounding: str | None = None,
+                 inline: bool | None = None, stats: bool = False, **options: Any) -> None:
+        cls = strategy_class(strategy)
+        self.strategy = cls.name
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a lowgrad.Layout, got {type(layout).__name__}")
         self.dtype = as_dtype(dtype)
@@ -93,16 +89,17 @@ class GradientManager(ABC):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats must be a bool, got {type(stats).__name__} {stats!r}")
-        if rounding is not None and self._default_rounding is None:
+        if rounding is not None and cls.default_rounding is None:
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
                              "adds into the full gradients); choose a sharded strategy to pick a rounding")
-        self.rounding = self._default_rounding if rounding is None else check_rounding(rounding)
+        self.rounding = cls.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
         layout.check_world(self.world)
+        options = cls.check(comm, offload, **options)
         #: the block accumulation runs on the engine's stream, not the communication stream
-        self._inline = self._check_inline(inline)
-        self.base_seed, self.step = seed, step
+        self._inline = self._check_inline(cls, inline)
+        self.base_seed = seed
         # the most urgent priority (numerically lowest): exchanges finish early beside backward
         self.comm_stream = self.device.stream(priority=min(self.device.stream_priority_range))
         self._comm_handle = stream_handle(self.comm_stream)
@@ -111,45 +108,36 @@ class GradientManager(ABC):
         self._nb_done = self.device.event(name="non_block_done")
         self._group_done = self.device.event(name="group_done")
         self._closed = False
-        self._protocol = MicroStepState(layout.num_layers)
-        self._recording: Recording | None = None  # a graph capture in progress
-        self._graph_hooks = GraphHooks(self._replay_check, self._replay_before, self._replay_launch,
-                                       self._replay_done, self._capture_closing, self._capture_ended)
+        self._state = HostState(MicroStepState(layout.num_layers), step)  # shared with the capture
+        self._capture = Capture(self._state, CaptureContext(
+            self._check_open, self._events, self._graph_allocations, self._stats_rows,
+            lambda: None if self._statistics is None else self._statistics.copied(), self.comm_stream,
+            self._comm_done))
+        self._graph_hooks = self._capture.hooks  # what a graph calls (through the capture)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         #: the statistics (``stats=True``): allocated at the first micro-step 0 for its step's
         #: micro-step count, and again when a step has more (between steps)
-        self._stats_on, self._stats_m = stats, 0
-        self._stats: Tensor | None = None
-        self._gathered: Tensor | None = None
-        self._rows: StatsRows | None = None
-        self._sink: StatsSink | None = None  # where the micro-steps' launches put theirs
-        self._finish: Callable[[int], None] | None = None  # writes their rows, once per step (stats())
-        self._step_pass: Callable[[int], None] | None = None  # the accumulated gradient's row (stats())
-        self._step_sink: StatsSink | None = None
-        self._nb_local: Callable[[int], None] | None = None  # the non-block local pass, where measured
-        self._host_rows: HostRows | None = None  # read_stats' pinned copy of the gathered rows
         self._alloc_non_block()
-        self._alloc_blocks()
+        self._ctx = StrategyContext(layout, comm, self.dtype, self.rounding, offload, self._inline, self.comm_stream,
+                                    self._comm_handle, self._counter, self._record, self._wait, self._join,
+                                    lambda: self._protocol, self._group_done, self._comm_done)
+        self._strategy: Strategy = cls(self._ctx, **options)
+        #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
+        self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
+                                                        self._nb_list, self._wait, self._comm_done, self._state)) \
+            if stats else None
         self._norm = self.device.alloc(1, fp32, name="grad_norm")
 
-    def _check_inline(self, inline: Any) -> bool:
-        """``inline`` checked: where possible (a manager that accumulates, world 1, device shards)
-        None means True; elsewhere only None and False are accepted."""
+    def _check_inline(self, cls: type[Strategy], inline: Any) -> bool:
+        """``inline`` checked: where the strategy can (a manager that accumulates, world 1, device
+        shards) None means True; elsewhere only None and False are accepted."""
         if inline is not None and not isinstance(inline, bool):
             raise TypeError(f"inline must be a bool or None, got {type(inline).__name__} {inline!r}")
-        possible = self._default_rounding is not None and self.world == 1 and not self.offload
-        if inline and not possible:
-            why = ("the unsharded manager accumulates nothing itself" if self._default_rounding is None
-                   else f"world is {self.world}: the accumulation follows the exchange" if self.world > 1
-                   else "offloaded shards are accumulated over PCIe, beside the engine's work")
+        why = cls.inline_refusal(self.world, self.offload)
+        if inline and why is not None:
             raise ValueError(f"inline=True needs a sharded strategy at world 1 with device shards: {why}")
-        return possible if inline is None else inline
-
-    # ---- allocation ----------------------------------------------------------------------
-    @abstractmethod
-    def _alloc_blocks(self) -> None:
-        """Allocate the block gradients (full buffers, shards) and their events."""
+        return why is None if inline is None else inline
 
     # ---- protocol ------------------------------------------------------------------------
     def start_micro_step(self, stream: StreamLike, micro_step: int, total_micro_steps: int) -> None:
@@ -165,21 +153,19 @@ class GradientManager(ABC):
         micro_step = integer("micro_step", micro_step)
         total_micro_steps = integer("total_micro_steps", total_micro_steps)
         cap = self.device.capture_of(stream)
-        if cap is not None and (self._recording is None or cap is not self._recording.graph):
-            self._begin_capture(cap, micro_step, total_micro_steps)
+        if self._capture.joins(cap):
+            self._capture.begin(cap, micro_step, total_micro_steps)
         self._protocol.check_start(micro_step, total_micro_steps, self.step)
-        if micro_step == 0 and self._recording is None:  # a capture's step number is checked at replay
+        if micro_step == 0 and self._capture.recording is None:  # a capture's step number is checked at replay
             check_step_room(f"start_micro_step(0) of step {self.step}", self.step + 1)
-        grow = self._stats_on and micro_step == 0 and (self._rows is None or total_micro_steps > self._rows.capacity)
-        if grow:
+        stats = self._statistics if micro_step == 0 else None
+        if stats is not None and stats.needs_rows(total_micro_steps):
             capture.forbid(f"start_micro_step(0) of {total_micro_steps} micro-steps with stats=True (its statistics "
                            "need memory for that many: run one such step before capturing)")
-            self._alloc_stats(total_micro_steps)
+            stats.alloc(total_micro_steps)
         self._protocol.start(micro_step, total_micro_steps)
-        if self._stats is not None and micro_step == 0:
-            self._stats_m = total_micro_steps
-            self._after_host_copy(stream)
-            ops.fill_nan(self._stats, stream)  # NaN: not measured (yet) in this step
+        if stats is not None:
+            stats.start_step(stream, total_micro_steps)
         self._join(stream)
         if micro_step > 0:  # on the stream whose SR kernels read it next
             self._counter.next_micro(stream_handle(stream) if self._inline else self._comm_handle)
@@ -191,7 +177,7 @@ class GradientManager(ABC):
 
     def _events(self) -> list[Any]:
         """The events later calls wait on (re-recorded after a capture and after each replay)."""
-        return [self._comm_done, self._nb_done]
+        return [self._comm_done, self._nb_done, *self._strategy.events()]
 
     @property
     def inline(self) -> bool:
@@ -242,24 +228,23 @@ class GradientManager(ABC):
         self._check_call(f"notify_block({layer})", stream)
         self._protocol.notify(layer)
         with nvtx_range(self._range_names[layer]):
-            self._exchange_block(layer, stream)
+            self._strategy.notify(layer, stream)
 
-    @abstractmethod
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
-        """Layer ``layer``'s gradient buffers for the engine and whether to add into them."""
+        """Layer ``layer``'s gradient buffers for the engine to write on ``stream`` and whether
+        to add into them (``False``: overwrite), as the strategy hands them out; ``zero_init``
+        tensors are zeroed on ``stream`` when the strategy hands out a fresh buffer and always
+        added into. ``stream`` waits until the buffers are free (never the host)."""
+        self._check_fetch(layer, stream)
+        return self._strategy.block_full(layer, stream)
 
-    @abstractmethod
-    def _full(self, layer: int) -> Container:
-        """The buffers :meth:`block_full` hands out for ``layer`` in the current micro-step."""
-
-    @abstractmethod
     def block_shard(self, layer: int, stream: StreamLike) -> Container:
-        """This rank's shards of layer ``layer``, ready on ``stream`` (between steps)."""
-
-    @abstractmethod
-    def _exchange_block(self, layer: int, stream: StreamLike) -> None:
-        """Queue layer ``layer``'s exchange/accumulation of the gradients the engine wrote on
-        ``stream`` (on ``self.comm_stream`` after :meth:`_join` of ``stream``, or inline)."""
+        """This rank's accumulated shards of layer ``layer`` (device or pinned memory), ready on
+        ``stream``. Valid between steps, after a completed step (ProtocolError otherwise)."""
+        self._check_readable(f"block_shard({layer})", stream)
+        self._protocol.check_layer(layer)
+        self._wait(self._comm_done, stream)
+        return self._strategy.block_shard(layer)
 
     def end_micro_step(self, stream: StreamLike) -> None:
         """Close the micro-step; on the last one, reduce-scatter the non-block gradients and
@@ -276,17 +261,9 @@ class GradientManager(ABC):
         self._record(self._comm_done, self.comm_stream)
         self._wait(self._comm_done, stream)
         self._protocol.end()
-        self._end_template_micro_step(last)
+        self._capture.micro_step_ended(last)
         if last:
             self.step += 1
-
-    def _reduce_scatter_all(self, tensors: list[Tensor]) -> None:
-        """In-place average reduce-scatter of every tensor, as one NCCL group on the
-        communication stream (one launch for a layer instead of one per tensor)."""
-        if tensors:
-            with self.comm.group(self.comm_stream, event=self._group_done):
-                for t in tensors:
-                    self.comm.reduce_scatter(t, op="avg", stream=self.comm_stream)
 
     def discard_step(self, stream: StreamLike, total_micro_steps: int | None = None) -> bool:
         """Give up the step in progress after a fault in the engine (an exception in its forward
@@ -335,7 +312,7 @@ class GradientManager(ABC):
                         self._poison([self.non_block_full(name, stream)[0]], stream)
                         self.notify_non_block(name, stream)
                 if state.fetched is not None:
-                    self._poison(self._full(state.fetched).tensors(), stream)
+                    self._poison(self._strategy.full(state.fetched).tensors(), stream)
                     self.notify_block(state.fetched, stream)
                 for layer in range(state.next_layer, -1, -1):
                     self._poison(self.block_full(layer, stream)[0].tensors(), stream)
@@ -381,8 +358,7 @@ class GradientManager(ABC):
         """
         self._check_in_micro(f"non_block_full({name!r})", stream)
         t = self._nb(name)
-        rec = self._recording
-        first = self._protocol.fetch_non_block(name, rec is not None and rec.template.assume_touched)
+        first = self._protocol.fetch_non_block(name, self._capture.assume_touched)
         if first:
             self._wait(self._nb_done, stream)  # the previous step's reduce-scatter is done with it
         if first and self._nb_spec[name].zero_init:
@@ -404,10 +380,10 @@ class GradientManager(ABC):
         for name, t in self._nb_full.items():
             if name not in self._protocol.nb_touched:
                 ops.fill_zero(t, self.comm_stream)
-        if self._nb_local is not None:
-            self._nb_local(self._comm_handle)
+        if self._statistics is not None and self._statistics.nb_local is not None:
+            self._statistics.nb_local(self._comm_handle)
         if self.world > 1:  # world 1: the mean is the gradient
-            self._reduce_scatter_all(self._nb_list)
+            self._ctx.reduce_scatter_all(self._nb_list)
         self._record(self._nb_done, self.comm_stream)
 
     def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
@@ -425,30 +401,13 @@ class GradientManager(ABC):
         except KeyError:
             raise KeyError(f"no non-block parameter {name!r}; layout has {list(self._nb_full)}") from None
 
-    # ---- containers ----------------------------------------------------------------------
-    def _container(self, tensors: list[Tensor]) -> Container:
-        return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
-
-    def _zero_init(self, tensors: Iterable[Tensor], stream: StreamLike) -> None:
-        for s, t in zip(self.layout.block, tensors):
-            if s.zero_init:
-                ops.fill_zero(t, stream)
-
-    def _shard_offset(self, spec: ParamSpec) -> int:
-        """Element offset of this rank's shard within the full tensor (for the SR noise index)."""
-        return self.rank * (spec.numel // self.world)
-
     # ---- norm, memory, state --------------------------------------------------------------
     def shards(self) -> list[Tensor]:
         """Every shard this rank holds (block layers then non-block), for optimizers and norms:
         the tensors, at any time (e.g. to size optimizer state); their values follow the rules
         of :meth:`block_shard` and :meth:`non_block_shard`."""
         self._check_open("shards")
-        return self._block_shards() + [shard_view(t, self.rank, self.world) for t in self._nb_list]
-
-    @abstractmethod
-    def _block_shards(self) -> list[Tensor]:
-        """This rank's block shards, layer by layer in layout order."""
+        return self._strategy.shards() + [shard_view(t, self.rank, self.world) for t in self._nb_list]
 
     def grad_norm_squared(self, stream: StreamLike = None) -> Tensor:
         """The squared global L2 norm of the completed step's gradient: the sum of squares over
@@ -468,53 +427,9 @@ class GradientManager(ABC):
         return self._norm
 
     # ---- gradient statistics (stats=True) -------------------------------------------------
-    def _alloc_stats(self, capacity: int) -> None:
-        """Statistics rows for steps of up to ``capacity`` micro-steps (:mod:`lowgrad.managers.stats`),
-        and every launch that writes them bound again."""
-        micro, local = self._stats_kinds()
-        rows = StatsRows.of(self.layout, capacity, micro, local if self.world > 1 else None)
-        shape = (rows.rows, rows.columns, len(FIELDS))
-        out = self.device.alloc(shape, fp64, name="grad_stats")
-        gathered = self.device.alloc((self.world, *shape), fp64, name="grad_stats_gathered") if self.world > 1 else None
-        host = HostRows(self.device.alloc((self.world, *shape), fp64, kind="pinned", name="grad_stats_host"),
-                        self.device.event(name="grad_stats_copied"))
-        shards = self.shards()  # block shards layer by layer, then the non-block ones
-        columns = [c for l in range(self.layout.num_layers) for c in rows.layer_columns(l)] + rows.non_block_columns()
-        step_sink = ops.stats_sink(out)
-        measure = ops.bind_grad_stats(shards, step_sink, columns, rows.step_row)
-        write = ops.bind_stats_finish(step_sink)
-
-        def step_pass(h: int) -> None:
-            measure(h)
-            write(h)
-        # the old rows are dropped, not closed: a graph captured before holds them (its replays are
-        # refused from now on: _replay_check), and an unresolved reading its host buffer
-        before = self.__dict__.copy()
-        self._stats, self._gathered, self._rows = out, gathered, rows
-        self._step_pass, self._step_sink, self._host_rows = step_pass, step_sink, host
-        try:
-            self._sink = ops.stats_sink(out, self._counter, rows.capacity)
-            self._bind()  # the strategy's launches register in the sink (_stats_target)
-            self._finish = ops.bind_stats_finish(self._sink)  # what they measure in a step, into rows (stats())
-        except BaseException:  # e.g. out of memory for the slots: the manager keeps what it had
-            # every attribute as before: the rows, the sink whose slots hold the completed step's
-            # measurements (stats() still finishes them), and each launch bound to it (a graph
-            # captured before still writes where that finish reads)
-            self.__dict__.update(before)
-            raise
-
-    def _bind(self) -> None:  # noqa: B027 - a hook whose default binds nothing
-        """Check and pack the strategy's per-layer launches once (again when the statistics are
-        allocated: :meth:`_stats_target` then says where they go)."""
-
-    def _stats_kinds(self) -> tuple[bool, str | None]:
-        """Which rows the strategy measures at world > 1 (:class:`StatsRows`' ``micro`` and
-        ``local``); at world 1 the local rows are never measured."""
-        return False, None
-
-    def _stats_target(self) -> tuple[StatsSink, StatsRows] | None:
-        """Where the bound launches put statistics (None: they measure none)."""
-        return None if self._sink is None or self._rows is None else (self._sink, self._rows)
+    def _stats_rows(self) -> Tensor | None:
+        """The statistics rows now (a graph's template holds those it writes)."""
+        return None if self._statistics is None else self._statistics.out
 
     def stats(self, stream: StreamLike = None) -> Tensor:
         """The completed step's gradient statistics (``stats=True``): a float64 device tensor of
@@ -530,8 +445,7 @@ class GradientManager(ABC):
         :meth:`read_stats` orders its copy itself).
         Valid between steps, after a completed step (ProtocolError otherwise); ValueError for a
         manager made without ``stats=True``."""
-        self._check_stats("stats", stream)
-        return self._gather_stats(stream)
+        return self._check_stats("stats", stream).gather(stream)
 
     def read_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StatsReading:
         """:meth:`stats`, then an asynchronous copy of the rows on ``stream`` into a pinned host
@@ -542,16 +456,7 @@ class GradientManager(ABC):
         before the next ``read_stats``, which reuses the buffer (ProtocolError from the stale
         reading's ``result()`` otherwise). The checks of :meth:`stats` and of ``names`` come
         before anything is queued; not inside a graph capture (CaptureError)."""
-        self._check_stats("read_stats", stream)
-        rows, host = self._rows, self._host_rows
-        assert rows is not None and host is not None, "a completed step allocated the statistics"
-        if names is not None:
-            names = check_names("read_stats: names", names, rows.columns)
-        capture.forbid("read_stats (a copy to the host)")
-        ops.copy(host.tensor, self._gather_stats(stream), stream)
-        host.event.record(stream)
-        return StatsReading(host, partial(rows.step_stats, micro_steps=self._stats_m, step=self.step - 1,
-                                          rank=self.rank, names=names))
+        return self._check_stats("read_stats", stream).read(stream, names)
 
     def step_stats(self, stream: StreamLike = None, names: tuple[str, ...] | None = None) -> StepStats:
         """``read_stats(stream, names).result()``: the statistics on the host at once (a sync of
@@ -560,36 +465,13 @@ class GradientManager(ABC):
         (``first_nonfinite()``)."""
         return self.read_stats(stream, names).result()
 
-    def _check_stats(self, what: str, stream: StreamLike) -> None:
-        """The checks of a statistics read, before anything is queued."""
+    def _check_stats(self, what: str, stream: StreamLike) -> Statistics:
+        """The checks of a statistics read, before anything is queued; the statistics."""
         self._check_call(what, stream)
-        if not self._stats_on:
+        if self._statistics is None:
             raise ValueError(f"{what}(): the manager was created without stats=True")
         self._protocol.check_readable(what, self.step)
-
-    def _gather_stats(self, stream: StreamLike) -> Tensor:
-        """Queue the accumulated gradient's row and the gather on ``stream``: the rows of every rank."""
-        out, rows = self._stats, self._rows
-        assert out is not None and rows is not None, "a completed step allocated the statistics"
-        self._wait(self._comm_done, stream)
-        self._after_host_copy(stream)
-        h = stream_handle(stream)
-        if self._finish is not None:  # the micro-step rows, from what the step's launches measured
-            self._finish(h)
-        if self._step_pass is not None:
-            self._step_pass(h)
-        if self._gathered is None:
-            return out.reshape(1, *out.shape)
-        self.comm.all_gather(out, out=self._gathered, stream=stream)
-        return self._gathered.reshape(self.world, *out.shape)
-
-    def _after_host_copy(self, stream: StreamLike) -> None:
-        """``stream``'s next writes of the rows wait until the last read_stats copied them out (it
-        may have run on another stream). The first write of a step is start_micro_step(0)'s fill:
-        the step's later ones follow it, on its stream or on the communication stream joined to
-        it (a replay waits in :meth:`_replay_before`)."""
-        if self._host_rows is not None:
-            self._wait(self._host_rows.event, stream)
+        return self._statistics
 
     def memory_report(self) -> Any:
         """Bytes by allocation name and kind on this rank's device."""
@@ -617,107 +499,43 @@ class GradientManager(ABC):
         if self._closed:
             return
         self._closed = True
-        for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm):
+        for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor, self._norm):
             t.close()
-        for t in (self._stats, self._gathered, None if self._host_rows is None else self._host_rows.tensor):
-            if t is not None:
-                t.close()
-        for sink in (self._sink, self._step_sink):  # what the bound launches allocated for their statistics
-            if sink is not None:
-                for t in sink.owned:
-                    t.close()
+        self._strategy.close()
+        if self._statistics is not None:
+            self._statistics.close()
 
-    @abstractmethod
-    def _owned(self) -> list[Tensor]:
-        """The block tensors this manager allocated."""
-
-    # ---- events: recorded and waited through these, so that a capture skips waits on work
-    # recorded outside it (a replay is ordered after everything before it on its stream)
+    # ---- events: recorded and waited through the capture, which skips waits on work recorded
+    # outside a capture in progress (a replay is ordered after everything before it on its stream)
     def _record(self, event: Any, stream: StreamLike) -> None:
-        event.record(stream)
-        if self._recording is not None:
-            self._recording.events.add(event)
+        self._capture.record(event, stream)
 
     def _wait(self, event: Any, stream: StreamLike) -> None:
-        rec = self._recording
-        if capture.current() is None or (rec is not None and event in rec.events):
-            event.wait(stream)
+        self._capture.wait(event, stream)
 
-    # ---- graph capture and replay (what GraphHooks hands the graph) -------------------------
-    def _begin_capture(self, cap: Any, micro_step: int, total: int) -> None:
-        """First micro-step of this manager in capture ``cap``: save host state, then set it so
-        that micro-step ``micro_step`` of ``total`` may start (a template of any micro-step)."""
-        state = self._protocol
-        if state.in_micro or self._recording is not None:
-            raise ProtocolError(f"start_micro_step({micro_step}) in a capture while micro-step {state.micro} is in "
-                                "progress outside it")
-        if not 0 <= micro_step < total:
-            raise ProtocolError(f"micro-step {micro_step!r} of {total!r} cannot be captured")
-        self._recording = Recording(cap, state.copy(), self.step, self._stats_m,
-                                    Template(micro_step, total, assume_touched=micro_step > 0, stats=self._stats))
-        state.micro, state.total, state.nb_touched = micro_step - 1, total, set()
-        cap.join(self._graph_hooks)
-        cap.keep(self._graph_allocations())
+    # ---- host state (shared with the capture) ---------------------------------------------
+    @property
+    def step(self) -> int:
+        """The optimizer step the next micro-step 0 begins (the step counter of the SR noise)."""
+        return self._state.step
 
-    def _end_template_micro_step(self, last: bool) -> None:
-        if self._recording is not None:
-            self._recording.template.micro_step_ended(self._protocol.nb_touched, last)
+    @step.setter
+    def step(self, value: int) -> None:
+        self._state.step = value
 
-    def _capture_closing(self, stream: int) -> None:
-        """A capture is ending, maybe inside a micro-step (an error): bring the communication
-        stream's captured work back into the captured stream so the capture can end cleanly."""
-        if self._protocol.in_micro:
-            self._record(self._comm_done, self.comm_stream)
-            self._comm_done.wait(stream)
+    @property
+    def _protocol(self) -> MicroStepState:
+        return self._state.protocol
 
-    def _capture_ended(self, graph: Any, failed: bool) -> Template | None:
-        """Restore the host state saved at the capture's start and make the events valid for
-        eager work again; return the template (ProtocolError for a partial micro-step)."""
-        rec, state = self._recording, self._protocol
-        assert rec is not None, "capture_ended without a capture"
-        partial, tpl = state.in_micro, rec.template
-        tpl.touched, tpl.micro = frozenset(state.nb_touched), state.micro
-        self._protocol, self.step, self._recording = rec.saved, rec.saved_step, None
-        self._stats_m = rec.saved_stats_m
-        for e in self._events():
-            e.record(self.comm_stream)
-        if failed:
-            return None
-        if partial:
-            raise ProtocolError("the capture ended inside a micro-step: capture whole micro-steps "
-                                "(start_micro_step ... end_micro_step)")
-        return tpl
-
-    def _replay_check(self, template: Template) -> Replayed:
-        """Whether the captured micro-steps fit this manager's next ones; the state after them."""
-        self._check_open("graph replay")
-        if template.stats is not self._stats:  # the rows grew for a step of more micro-steps since
-            raise ProtocolError("graph replay: the graph was captured before the gradient statistics' rows grew "
-                                "for a step of more micro-steps; capture it again")
-        return template.fit(self._protocol, self.step)
-
-    def _replay_before(self, stream: int) -> None:
-        self._comm_done.wait(stream)  # the previous micro-step's traffic, whichever stream it ended on
-        if self._host_rows is not None:  # a replayed micro-step 0 refills the rows
-            self._host_rows.event.wait(stream)
-
-    @staticmethod
-    def _replay_launch(stream: int) -> int:
-        return stream
-
-    def _replay_done(self, applied: Replayed, stream: int) -> None:
-        state = self._protocol
-        state.complete = state.complete or applied.step > self.step  # the replay ended a step
-        state.micro, state.total, state.nb_touched = applied.micro, applied.total, set(applied.touched)
-        self.step, self._stats_m = applied.step, applied.total
-        for e in self._events():
-            e.record(stream)
-        self._comm_done.wait(self.comm_stream)  # later counter updates come after the replay
+    @_protocol.setter
+    def _protocol(self, value: MicroStepState) -> None:
+        self._state.protocol = value
 
     def _graph_allocations(self) -> tuple[Any, ...]:
-        stats = () if self._stats is None else (self._stats,)
-        return tuple(t.allocation for t in (*self._nb_full.values(), *self._owned(), self._counter.tensor, self._norm,
-                                            *stats))
+        rows = self._stats_rows()
+        stats = () if rows is None else (rows,)
+        return tuple(t.allocation for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor,
+                                            self._norm, *stats))
 
     def __enter__(self) -> GradientManager:
         return self

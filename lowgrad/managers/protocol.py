@@ -169,3 +169,21 @@ class MicroStepState:
         if not self.complete:
             raise ProtocolError(f"{what} before any step completed (the manager is new or its state was just "
                                 "loaded): shards are read after the last micro-step of a step ends")
+
+
+@dataclass
+class HostState:
+    """A manager's host state, one object that the manager and its capture share: where the
+    engine is in the protocol, the step, and the micro-steps of the step the statistics rows hold.
+    A capture saves a copy and restores it; a replay advances it as the eager calls would."""
+
+    protocol: MicroStepState
+    step: int
+    stats_m: int = 0
+
+    def copy(self) -> HostState:
+        return HostState(self.protocol.copy(), self.step, self.stats_m)
+
+    def restore(self, saved: HostState) -> None:
+        """Become ``saved`` (in place: the manager and its capture hold this object)."""
+        self.protocol, self.step, self.stats_m = saved.protocol, saved.step, saved.stats_m

@@ -1,0 +1,197 @@
+"""The ``hierarchical`` strategy, for runs over several nodes: the ranks are grouped by node
+(``group_size`` G = GPUs per node, ranks ``n*G .. n*G+G-1`` on node ``n``; N = world / G nodes);
+every micro-step reduces within the node only, over the fast link, and the step's node sums cross
+the nodes once, at the last micro-step. The shape of FSDP2's HSDP, ZeRO++'s hierarchical qgZ and
+Megatron's distributed-optimizer instances, with the accumulation in bf16 with SR.
+
+Buffers: two full-size block buffers used alternately (as ``scatter_reduce``); per layer and
+tensor an accumulator of 1/G of the tensor (device or pinned memory with offload), made of N
+pieces: piece ``k`` accumulates chunk ``k*G + g`` of W (``g`` this rank's index in its node).
+
+At ``notify``, on the communication stream after the engine's work:
+
+1. within the node (the communicator split by node): one group of N in-place reduce-scatters
+   (average over G), one of each contiguous 1/N of the tensor, so that this rank holds the
+   node's mean of chunks ``k*G + g`` for every k: the same bytes as one reduce-scatter;
+2. those N chunks are added into the accumulator's pieces (a copy on micro-step 0, ``add_sr``
+   with phase-0 noise of the chunk's element indices in the full tensor after);
+3. on the last micro-step only, across the nodes (the communicator split by local index ``g``:
+   the N ranks of the same index): an in-place reduce-scatter (average over N) of the
+   accumulator, which leaves piece ``n`` (this rank's node) = chunk ``n*G + g`` = chunk ``rank``
+   of the mean over all W ranks: the shard every other strategy gives this rank. With offload
+   the accumulator is staged through the free part of the layer's device buffer (NCCL reduces
+   device memory only).
+
+Why reduce-scatter across nodes rather than all-reduce keeping 1/G: per step each rank sends
+``(N-1)/N * B/G`` bytes over the inter-node link (B the layer's gradient bytes) where an
+all-reduce sends twice that, and the shard the optimizer reads is 1/W (its state 1/W, the same
+shards and norms as the other strategies) rather than 1/G. The accumulator (1/G, N times a 1/W
+shard) is the memory hierarchical pays for crossing the nodes once per step instead of once per
+micro-step: inter-node bytes per step drop by the number of micro-steps against
+``scatter_reduce``, and the inter-node collective spans N ranks instead of W.
+
+``group_size``: None reads the launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``,
+Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm's ``SLURM_NTASKS_PER_NODE``), or ``world`` (one
+node) where none is set; it must divide the world. Creating the manager is a collective here
+(the two splits): every rank creates it. The accumulation follows the node's exchange, so it
+never runs inline. Statistics: each rank's own gradient per micro-step (the local rows) and the
+step's shards; the micro-step rows (the mean over all ranks of one micro-step) only on one node,
+where the accumulation's adds see that mean (NaN otherwise: no kernel holds it).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from lowgrad import ops
+from lowgrad.core.integers import integer
+from lowgrad.core.streams import StreamLike
+from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.managers.strategies.buffers import AlternatingBuffers
+from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
+
+#: the launchers' ranks per node, in the order they are read
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_world_size(world: int) -> int:
+    """The launcher's ranks per node, or ``world`` where no launcher variable is set."""
+    for var in LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(var, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"hierarchical: {var}={value!r} is not a positive int (pass group_size)")
+            return int(value)
+    return world
+
+
+class Hierarchical(Strategy):
+    name = "hierarchical"
+
+    @classmethod
+    def check(cls, comm: Any, offload: bool, group_size: Any = None, **options: Any) -> dict[str, Any]:
+        super().check(comm, offload, **options)
+        world = int(comm.world)
+        G = local_world_size(world) if group_size is None else integer("group_size", group_size)
+        if G < 1 or world % G:
+            raise ValueError(f"hierarchical: group_size {G} must be a positive divisor of world {world}")
+        return {"group_size": G}
+
+    @classmethod
+    def inline_refusal(cls, world: int, offload: bool) -> str | None:
+        return "the hierarchical accumulation follows the node's exchange, on the communication stream"
+
+    def stats_kinds(self) -> tuple[bool, str | None]:
+        # the micro-step rows: the mean over every rank of a micro-step, only held on one node
+        return self.N == 1, "micro"
+
+    def __init__(self, ctx: StrategyContext, group_size: int) -> None:
+        self.ctx = ctx
+        G, W, rank = group_size, ctx.world, ctx.rank
+        self.G, self.N = G, W // G
+        self.n, self.g = divmod(rank, G)
+        # collectives over every rank, in the same order on each; one node (G = W) or one rank
+        # per node (G = 1) is the manager's communicator itself
+        self.split: list[Any] = []
+        try:
+            for color in ((self.n, self.g) if 1 < G < W else ()):
+                self.split.append(ctx.comm.split(color))
+            self.allocate(group_size)
+        except BaseException:  # nothing left behind: a failed manager is not closed
+            self.close()
+            raise
+        self.node, self.cross = self.split if self.split else (ctx.comm, ctx.comm)
+        self.add: list[Callable[[int], None]] = []
+        self.bind(None)
+
+    def allocate(self, G: int) -> None:
+        """The buffers, the accumulators and the views the exchange works on."""
+        ctx, N = self.ctx, self.N
+        L, block = ctx.layout.num_layers, ctx.layout.block
+        self.full_buffers = AlternatingBuffers(ctx)
+        self.buffers = self.full_buffers.buffers
+        acc_lazy = ctx.device.lazy_allocator("pinned" if ctx.offload else "device")
+        self.acc = [[acc_lazy.alloc(s.shard_shape(G), ctx.dtype, "block_grad_node_shards")
+                     for s in block] for _ in range(L)]
+        acc_lazy.commit()
+        # the N slices of 1/N of each tensor the node reduces, and this rank's chunk of each
+        self.slices = [[[shard_view(t, k, N) for k in range(N)] for t in buf] for buf in self.buffers]
+        self.own = [[[shard_view(v, self.g, G) for v in vs] for vs in buf] for buf in self.slices]
+        self.pieces = [[[shard_view(a, k, N) for k in range(N)] for a in acc] for acc in self.acc]
+        self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
+        self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
+
+    def bind(self, target: StatsTarget | None) -> None:
+        """The SR adds of the node's chunks into the accumulator pieces (noise of the chunks'
+        element indices in the full tensor) and the local measurements."""
+        ctx, G, N = self.ctx, self.G, self.N
+        micro = N == 1 and target is not None and target[1].micro
+        lanes = [2 * i for i, _ in enumerate(ctx.layout.block) for _ in range(N)]  # phase 0
+
+        def items(l: int) -> list[tuple[Tensor, Tensor, Tensor, int]]:
+            return [(p, p, own, ctx.shard_offset(s, k * G + self.g))
+                    for s, ps, owns in zip(ctx.layout.block, self.pieces[l], self.own[l % 2])
+                    for k, (p, own) in enumerate(zip(ps, owns))]
+        L = ctx.layout.num_layers
+        self.add = [ops.bind_add_sr_multi(items(l), (ctx.counter, l, lanes),
+                                          stats=(target[0], target[1].layer_columns(l)) if micro and target else None)
+                    for l in range(L)] if ctx.layout.block else []
+        self.full_buffers.bind(target)
+
+    def events(self) -> list[Any]:
+        return self.full_buffers.events()
+
+    def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
+        """Buffer ``layer % 2``, once its previous exchange is done; always overwritten, but
+        ``zero_init`` tensors (zeroed on ``stream``, added into)."""
+        full = self.full_buffers.hand_out(layer, stream)
+        self.ctx.zero_init(full.tensors(), stream)
+        return full, False
+
+    def full(self, layer: int) -> Container:
+        return self.full_buffers.containers[layer % 2]
+
+    def notify(self, layer: int, stream: StreamLike) -> None:
+        ctx = self.ctx
+        ctx.join(stream)
+        h, b = ctx.comm_handle, layer % 2
+        self.full_buffers.measure(layer)
+        if self.G > 1:  # one rank per node: its gradient is the node's mean
+            ctx.reduce_scatter_all([v for vs in self.slices[b] for v in vs], comm=self.node)
+        if ctx.first:
+            for ps, owns in zip(self.pieces[layer], self.own[b]):
+                for p, own in zip(ps, owns):
+                    ops.copy_on_cores(p, own, h)
+        elif self.add:
+            self.add[layer](h)
+        if ctx.last and self.N > 1:  # one node: the node's mean is the mean
+            self.cross_nodes(layer)
+        self.full_buffers.release(layer)
+
+    def cross_nodes(self, layer: int) -> None:
+        """Piece ``n`` of the accumulator := the mean over the nodes of piece ``n``."""
+        ctx, b = self.ctx, layer % 2
+        if not ctx.offload:
+            ctx.reduce_scatter_all(self.acc[layer], comm=self.cross)
+            return
+        h = ctx.comm_handle  # the buffer's node slices were consumed by the adds above: reuse it
+        for stage, acc in zip(self.stage[b], self.acc[layer]):
+            ops.copy_on_cores(stage, acc, h)
+        ctx.reduce_scatter_all(self.stage[b], comm=self.cross)
+        for stage, piece in zip(self.stage[b], self.final[layer].tensors()):
+            ops.copy_on_cores(piece, shard_view(stage, self.n, self.N), h)
+
+    def block_shard(self, layer: int) -> Container:
+        """Chunk ``rank`` of W of each tensor: piece ``n`` of the accumulator."""
+        return self.final[layer]
+
+    def shards(self) -> list[Tensor]:
+        return [t for c in self.final for t in c.tensors()]
+
+    def owned(self) -> list[Tensor]:
+        return self.full_buffers.owned() + [t for ts in self.acc for t in ts]
+
+    def close(self) -> None:
+        for comm in self.split:
+            comm.close()

@@ -1,0 +1,217 @@
+"""What a gradient-manager strategy is: the interface it implements (:class:`Strategy`) and the
+narrow context the manager hands it (:class:`StrategyContext`).
+
+The manager (:mod:`lowgrad.managers.manager`) keeps the protocol: the micro-step state machine
+and every check, the events between the engine's stream and the communication stream, the seed
+counter, the non-block gradients, the norm, the saved state, the statistics
+(:mod:`lowgrad.managers.stats`) and graph capture (:mod:`lowgrad.managers.replay`). A strategy
+owns the block half — where a layer's gradients are written, how they cross the ranks and where
+they accumulate — and one strategy lives in one file of :mod:`lowgrad.managers.strategies`,
+registered by one line there. It reaches the manager only through its context; nothing of the
+manager's private state (a test walks every strategy file and checks that it touches no
+``x._name`` but its own).
+
+A strategy's life, for one rank (``ctx``: its :class:`StrategyContext`)::
+
+    check(comm, offload, **options)  # classmethod, before the manager allocates anything:
+                                     # TypeError/ValueError for a bad option, nothing changed
+    s = Strategy(ctx, **options)     # allocate: full buffers, shards, their events
+                                     # (a collective where it splits the communicator)
+    s.bind(target)                   # pack the per-layer launches; again when the statistics are
+                                     # allocated (target: where they measure, or None)
+    per micro-step, per layer L-1 .. 0 (the manager has checked the call and recorded it):
+        full, accumulate = s.block_full(layer, stream)  # what the engine writes the layer into
+        s.notify(layer, stream)      # queue the layer's exchange and accumulation: on
+                                     # ctx.comm_stream after ctx.join(stream), or inline on stream
+    between steps (the manager has checked and waits for the step's traffic):
+        s.block_shard(layer)         # this rank's shards of a layer: what the optimizer reads
+        s.shards()                   # every block shard, layer by layer (norm, statistics, optimizer)
+    s.owned()                        # the tensors close() frees; s.close() anything else it holds
+
+``block_full`` must make ``stream`` wait (``ctx.wait``) for whatever still reads the buffer it
+hands out; a buffer's previous user signals through an event the strategy records with
+``ctx.record`` (so that a graph capture sees it) and lists in :meth:`Strategy.events` (so that
+the manager re-records it after a capture and after each replay). Every rank issues the same
+collectives in the same order: ``notify`` of layer ``l`` in micro-step ``m`` queues the same calls
+on every rank. The seeds of SR kernels come from ``ctx.counter`` (the step, the micro-step and
+``(layer, lane)``), never from host state, so that a captured micro-step replays with fresh noise.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lowgrad import ops
+from lowgrad.core.dtypes import DType
+from lowgrad.core.kernels import StatsSink
+from lowgrad.core.streams import StreamLike
+from lowgrad.core.tensor import Container, Tensor
+from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.managers.protocol import MicroStepState
+from lowgrad.managers.stats import StatsRows
+from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter
+
+#: where the bound launches measure statistics: the sink their kernels write and its rows' layout
+StatsTarget = tuple[StatsSink, StatsRows]
+
+
+@dataclass(eq=False)
+class StrategyContext:
+    """What the manager lends a strategy: the rank's communicator and device, the layout, the
+    gradient dtype and rounding, the communication stream (``comm_stream`` and its raw handle),
+    the seed counter, and the protocol's event calls and micro-step position; ``comm_done``: the
+    event the manager records on the communication stream at the end of each micro-step.
+
+    ``record(event, stream)`` / ``wait(event, stream)``: record an event on a stream and make a
+    stream wait for it (through these, so that a graph capture skips waits on work recorded
+    outside it); ``join(stream)``: the communication stream waits for ``stream``'s work so far;
+    ``inline``: the strategy accumulates on the engine's stream (the manager decided it from
+    :meth:`Strategy.inline_refusal` and the user's ``inline``)."""
+
+    layout: Layout
+    comm: Any
+    dtype: DType
+    rounding: str | None
+    offload: bool
+    inline: bool
+    comm_stream: Any
+    comm_handle: int
+    counter: SeedCounter
+    record: Callable[[Any, StreamLike], None]
+    wait: Callable[[Any, StreamLike], None]
+    join: Callable[[StreamLike], None]
+    state: Callable[[], MicroStepState]  # the protocol's state now (it is replaced after a failed discard)
+    group_done: Any  # the event a group of collectives on the communication stream reuses
+    comm_done: Any  # recorded on the communication stream at the end of every micro-step
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.rank)
+
+    @property
+    def world(self) -> int:
+        return int(self.comm.world)
+
+    @property
+    def device(self) -> Any:
+        return self.comm.device
+
+    @property
+    def micro(self) -> int:
+        """The micro-step in progress (or the last one started)."""
+        return self.state().micro
+
+    @property
+    def first(self) -> bool:
+        """The micro-step in progress is its step's first."""
+        return self.state().micro == 0
+
+    @property
+    def last(self) -> bool:
+        """The micro-step in progress is its step's last."""
+        return self.state().last
+
+    def container(self, tensors: list[Tensor]) -> Container:
+        """A layer's tensors named as the layout's block parameters."""
+        return Container([(s.name, t) for s, t in zip(self.layout.block, tensors)])
+
+    def zero_init(self, tensors: Iterable[Tensor], stream: StreamLike) -> None:
+        """Zero on ``stream`` the layer's tensors whose parameter is ``zero_init`` (the engine adds
+        into those)."""
+        for s, t in zip(self.layout.block, tensors):
+            if s.zero_init:
+                ops.fill_zero(t, stream)
+
+    def shard_offset(self, spec: ParamSpec, index: int | None = None, parts: int | None = None) -> int:
+        """Element offset of slice ``index`` of ``parts`` (default: this rank's of ``world``) within
+        the full tensor: the index of the SR noise of its first element."""
+        index, parts = (self.rank if index is None else index), (self.world if parts is None else parts)
+        return index * (spec.numel // parts)
+
+    def reduce_scatter_all(self, tensors: list[Tensor], comm: Any = None, op: str = "avg") -> None:
+        """In-place reduce-scatter (``op``, average by default) of every tensor over ``comm`` (the
+        manager's by default), as one group on the communication stream: one launch for a layer
+        instead of one per tensor."""
+        comm = self.comm if comm is None else comm
+        if tensors:
+            with comm.group(self.comm_stream, event=self.group_done):
+                for t in tensors:
+                    comm.reduce_scatter(t, op=op, stream=self.comm_stream)
+
+
+class Strategy(ABC):
+    """One way of exchanging and accumulating the block gradients (the module docstring has the
+    life of one). ``name``: the ``strategy=`` it answers to; ``default_rounding``: the rounding
+    of a manager created without one (None: the strategy rounds nothing itself and accepts no
+    ``rounding``)."""
+
+    name: ClassVar[str]
+    default_rounding: ClassVar[str | None] = DEFAULT_ROUNDING
+
+    @classmethod
+    def check(cls, comm: Any, offload: bool, **options: Any) -> dict[str, Any]:
+        """Check ``offload`` and the strategy's own options before anything is allocated; the
+        options the constructor takes. A strategy without options refuses every one."""
+        if options:
+            raise TypeError(f"the {cls.name} strategy takes no options; got {sorted(options)}")
+        return {}
+
+    @classmethod
+    def inline_refusal(cls, world: int, offload: bool) -> str | None:
+        """Why the accumulation cannot run on the engine's stream here (None: it can)."""
+        if cls.default_rounding is None:
+            return f"the {cls.name} manager accumulates nothing itself"
+        if world > 1:
+            return f"world is {world}: the accumulation follows the exchange"
+        if offload:
+            return "offloaded shards are accumulated over PCIe, beside the engine's work"
+        return None
+
+    def stats_kinds(self) -> tuple[bool, str | None]:
+        """Which rows the strategy measures at world > 1 (:class:`StatsRows`' ``micro``: the
+        reduced gradient of each micro-step; ``local``: each rank's own gradient per micro-step
+        (``"micro"``), once per step (``"step"``) or never (None)); at world 1 the manager
+        never measures the local rows."""
+        return False, None
+
+    @abstractmethod
+    def __init__(self, ctx: StrategyContext, **options: Any) -> None:
+        """Allocate the block gradients (full buffers, shards) and their events."""
+
+    def bind(self, target: StatsTarget | None) -> None:  # noqa: B027 - a hook whose default binds nothing
+        """Check and pack the per-layer launches once (again when the statistics are allocated:
+        ``target`` says where they measure)."""
+
+    @abstractmethod
+    def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
+        """Layer ``layer``'s buffers for the engine and whether to add into them; ``stream``
+        waits until they are free."""
+
+    @abstractmethod
+    def full(self, layer: int) -> Container:
+        """The buffers :meth:`block_full` hands out for ``layer`` in the current micro-step."""
+
+    @abstractmethod
+    def notify(self, layer: int, stream: StreamLike) -> None:
+        """Queue layer ``layer``'s exchange and accumulation of what the engine wrote on ``stream``."""
+
+    @abstractmethod
+    def block_shard(self, layer: int) -> Container:
+        """This rank's shards of layer ``layer`` (the manager has waited for the step's traffic)."""
+
+    @abstractmethod
+    def shards(self) -> list[Tensor]:
+        """This rank's block shards, layer by layer in layout order."""
+
+    @abstractmethod
+    def owned(self) -> list[Tensor]:
+        """The block tensors this strategy allocated (the manager frees them at close)."""
+
+    def events(self) -> list[Any]:
+        """The strategy's events later calls wait on (re-recorded after a capture and a replay)."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - a hook for what a strategy holds beyond its tensors
+        """Release what the strategy holds beyond :meth:`owned` (a split communicator)."""

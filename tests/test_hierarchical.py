@@ -1,0 +1,237 @@
+"""The ``hierarchical`` strategy (lowgrad/managers/strategies/hierarchical.py) on the host
+backend: bit for bit the shards of an independent numpy reference at world 4 (2 nodes x 2) and
+8 (2 x 4, 4 x 2), with and without offload, every rounding; the group size from the launcher;
+checks before anything is allocated; statistics, discard_step and lowgrad.torch."""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from test_managers import bf16_grad, drive, reference, ulp
+
+import lowgrad as lg
+from lowgrad.sr import reference as sr_ref
+from lowgrad.sr.seedcounter import ld_shift
+
+SHAPES = [(4, 2), (8, 4), (8, 2), (4, 1), (4, 4)]  # (world, GPUs per node)
+
+
+def small_layout(layers: int = 3) -> lg.Layout:
+    """Dims that divide by 8; a zero_init tensor (zeroed and added into by the engine)."""
+    block = [lg.ParamSpec("w1", (8, 6)), lg.ParamSpec("b1", (8,), zero_init=True), lg.ParamSpec("w2", (16, 3))]
+    return lg.Layout(block=block, non_block=[lg.ParamSpec("emb", (16, 4)), lg.ParamSpec("norm", (8,))],
+                     num_layers=layers)
+
+
+def mean_bf16(parts: list[np.ndarray]) -> np.ndarray:
+    """An average reduction as NCCL's and the host's: float32 sum in rank order, times
+    float32(1/n), rounded to nearest even bf16."""
+    acc = np.zeros(parts[0].shape, np.float32)
+    for p in parts:
+        acc = acc + p.astype(np.float32)
+    return (acc * np.float32(1.0 / len(parts))).astype(ml_dtypes.bfloat16)
+
+
+def expected(layout: lg.Layout, world: int, G: int, micro: int, seed: int, rounding: str,
+             step: int = 0) -> list[dict[str, np.ndarray]]:
+    """Every rank's block shards: per micro-step the node's mean of each chunk of W, accumulated
+    per chunk with SR (the noise of the chunk's element indices in the full tensor), then the
+    mean over the nodes of each rank's chunk."""
+    N = world // G
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    for layer in range(layout.num_layers):
+        for i, s in enumerate(layout.block):
+            chunk = s.numel // world
+            grads = [[bf16_grad(r, m, layer, i, s.shape, step).reshape(-1) for m in range(micro)]
+                     for r in range(world)]
+            acc: dict[tuple[int, int], np.ndarray] = {}  # (node, chunk) -> accumulated node mean
+            for n in range(N):
+                for c in range(world):
+                    sl = slice(c * chunk, (c + 1) * chunk)
+                    for m in range(micro):
+                        nm = mean_bf16([grads[n * G + k][m][sl] for k in range(G)])
+                        if m == 0:
+                            acc[n, c] = nm
+                            continue
+                        ld = rounding == "ldsr"
+                        seed_m = lg.use_seed(seed, step, 0 if ld else m, layer, i, 0)
+                        acc[n, c] = sr_ref.add_sr(acc[n, c], nm, 1.0, seed_m, c * chunk,
+                                                  shift=ld_shift(m) if ld else 0, nearest=rounding == "rn")
+            for r in range(world):
+                shard = mean_bf16([acc[n, r] for n in range(N)])
+                out[r][f"{layer}.{s.name}"] = shard.astype(np.float64).reshape((s.shape[0] // world,) + s.shape[1:])
+    return out
+
+
+def run(world: int, G: int, offload: bool, micro: int, rounding: str = "ldsr", seed: int = 0,
+        **kw: Any) -> list[dict[str, np.ndarray]]:
+    layout = small_layout()
+
+    def fn(c: Any) -> dict[str, np.ndarray]:
+        gm = lg.create_gradient_manager(layout, c, strategy="hierarchical", offload=offload, seed=seed,
+                                        rounding=rounding, group_size=G, **kw)
+        with gm:
+            return drive(c, layout, "hierarchical", offload, micro, gm=gm, gfun=bf16_grad)
+    return lg.run_threads(world, fn)
+
+
+@pytest.mark.parametrize("world,G", SHAPES)
+@pytest.mark.parametrize("offload", [False, True])
+def test_bit_identical_to_the_reference(world: int, G: int, offload: bool) -> None:
+    layout = small_layout()
+    got = run(world, G, offload, 3, seed=11)
+    want = expected(layout, world, G, 3, 11, "ldsr")
+    for r in range(world):
+        for key, w in want[r].items():
+            assert np.array_equal(got[r][key], w), (r, key)
+        # the non-block gradients: reduced over every rank as in every strategy
+        ref = reference(layout, world, 3, r)
+        for key in (k for k in ref if k.startswith("nb.")):
+            want_nb, mag = ref[key]
+            assert (np.abs(got[r][key] - want_nb) / ulp(mag)).max() <= 8, key
+
+
+@pytest.mark.parametrize("rounding", ["sr", "rn", "ldsr"])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_every_rounding_and_micro_step_count(rounding: str, micro: int) -> None:
+    got = run(4, 2, False, micro, rounding=rounding, seed=5)
+    want = expected(small_layout(), 4, 2, micro, 5, rounding)
+    assert all(np.array_equal(got[r][k], w) for r in range(4) for k, w in want[r].items())
+
+
+def test_one_node_is_scatter_reduce_and_one_gpu_per_node_is_close() -> None:
+    """G = world: one node, the same bits as scatter_reduce; the float64 mean within SR bounds
+    at every shape."""
+    layout = small_layout()
+    sr = lg.run_threads(4, lambda c: drive(c, layout, "scatter_reduce", False, 3, gfun=bf16_grad))
+    hier = run(4, 4, False, 3)
+    assert all(np.array_equal(sr[r][k], hier[r][k]) for r in range(4) for k in sr[r])
+    for G in (1, 2):
+        got = run(4, G, False, 3)
+        for r in range(4):
+            for key, (want, mag) in reference(layout, 4, 3, r).items():
+                assert (np.abs(got[r][key] - want) / ulp(mag)).max() <= 10, (G, r, key)
+
+
+def test_group_size_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without group_size the launcher's ranks per node group the ranks: the same bits as
+    group_size=2 under LOCAL_WORLD_SIZE=2 or OMPI_COMM_WORLD_LOCAL_SIZE=2; a bad value is named."""
+    layout = small_layout()
+    want = run(4, 2, False, 2)
+
+    def default(c: Any) -> dict[str, np.ndarray]:
+        with lg.create_gradient_manager(layout, c, strategy="hierarchical") as gm:
+            return drive(c, layout, "hierarchical", False, 2, gm=gm, gfun=bf16_grad)
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        for other in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(var, "2")
+        got = lg.run_threads(4, default)
+        assert all(np.array_equal(a[k], b[k]) for a, b in zip(got, want) for k in a), var
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x2)")
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS_PER_NODE='2\(x2\)' is not a positive int"):
+        lg.run_threads(4, default)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # no launcher: one node, scatter_reduce's bits
+    sr = lg.run_threads(4, lambda c: drive(c, layout, "scatter_reduce", False, 2, gfun=bf16_grad))
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(lg.run_threads(4, default), sr) for k in a)
+
+
+@pytest.mark.parametrize("group_size,exc,match", [
+    (3, ValueError, "group_size 3 must be a positive divisor of world 4"), (0, ValueError, "positive divisor"),
+    (True, TypeError, "group_size"), (2.0, TypeError, "group_size")])
+def test_bad_group_size_raises_before_anything_is_allocated(group_size: Any, exc: type[Exception],
+                                                            match: str) -> None:
+    layout = small_layout()
+
+    def fn(c: Any) -> None:
+        before = c.device.memory_report().as_dict()
+        with pytest.raises(exc, match=match):
+            lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=group_size)
+        assert c.device.memory_report().as_dict() == before
+        with pytest.raises(TypeError, match="takes no options"):
+            lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2, nodes=2)
+        with pytest.raises(ValueError, match="inline=True needs"):
+            lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2, inline=True)
+        lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2).close()
+    lg.run_threads(4, fn)
+
+
+def test_memory_is_two_buffers_and_one_node_shard_per_layer() -> None:
+    layout = small_layout()
+    B = sum(s.numel for s in layout.block) * 2  # bf16 bytes of one layer's gradients
+
+    def fn(c: Any) -> Any:
+        with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2, offload=True) as gm:
+            return gm.memory_report().as_dict()
+    rep = lg.run_threads(4, fn)[0]
+    assert rep["device"]["block_grad"] == 2 * B, rep
+    assert rep["pinned"]["block_grad_node_shards"] == layout.num_layers * B // 2, rep
+
+
+# ---- two nodes of two ranks (LOCAL_WORLD_SIZE=2 at world 4) through the other suites' jobs -----------
+
+@pytest.fixture
+def two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("fault", [(0, "before", -1), (1, "fetched", 0), (2, "non_block", 1), (2, "end", -1)],
+                         ids=lambda f: f"m{f[0]}-{f[1]}{f[2]}")
+def test_discard_step_poisons_every_rank_and_leaves_no_trace(two_nodes: None, offload: bool,
+                                                             fault: tuple[int, str, int]) -> None:
+    from test_manager_faults import check_faulted, faulted_and_clean
+    check_faulted(*faulted_and_clean(4, "hierarchical", offload, fault), fault)
+
+
+def test_statistics_local_rows_and_the_step(two_nodes: None) -> None:
+    """Each rank's own gradient per micro-step and the step's shards; the micro-step rows (the
+    mean over every rank of a micro-step) are measured nowhere across two nodes."""
+    from test_manager_stats import M, columns, ranks_stats, sq
+    from test_managers import small_layout as stats_layout  # the layout ranks_stats drives
+    block = stats_layout().block
+    results = ranks_stats(4, "hierarchical", False)
+    stats = results[0][1]
+    assert stats.micro is None and stats.local is not None
+    for r, (shards, _) in enumerate(results):
+        for t, (name, layer, i) in enumerate(columns()):
+            shard = shards[f"nb.{name}" if layer < 0 else f"{layer}.{block[i].name}"]
+            assert stats.accumulated.sumsq[r, t] == pytest.approx(sq(shard), rel=1e-6), (r, name)
+            for m in range(M if layer >= 0 else 0):  # the engine accumulates the non-block ones
+                want = sq(bf16_grad(r, m, layer, i, block[i].shape, 1))
+                assert stats.local.sumsq[r, m, t] == pytest.approx(want, rel=1e-6), (r, m, name)
+
+
+@pytest.mark.parametrize("fault", ["nan", "backward", "data"])
+def test_torch_a_faulted_step_is_skipped_on_every_rank(two_nodes: None, fault: str) -> None:
+    pytest.importorskip("torch")
+    from test_torch_faults import check_skipped
+    from test_torch_faults import run as torch_run
+    check_skipped(4, torch_run(4, fault, fault_rank=3, strategy="hierarchical"),
+                  torch_run(4, "skip", strategy="hierarchical"))
+
+
+def test_torch_shards_equal_the_manager_driven_by_hand(two_nodes: None) -> None:
+    pytest.importorskip("torch")
+    from test_torch_adapter import test_shards_equal_the_manager_driven_by_hand as by_hand
+    by_hand(4, "hierarchical", True)
+
+
+def test_a_rank_that_does_not_create_its_manager_fails_the_others_in_bounded_time() -> None:
+    """Creating the manager splits the communicator, a collective: a rank that never creates it
+    makes the others' creation fail (CommTimeoutError naming it), with nothing left open."""
+    import time
+    layout = small_layout()
+
+    def fn(c: Any) -> None:
+        if c.rank == 3:
+            time.sleep(1.0)
+            return
+        lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2)
+
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommTimeoutError, match=r"\[3\]"):
+        lg.run_threads(4, fn, timeout=0.3)
+    assert time.monotonic() - t0 < 5

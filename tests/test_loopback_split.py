@@ -1,0 +1,99 @@
+"""``LoopbackCommunicator.split`` without a GPU (tests/loopback_sim.py interprets the loopback
+kernels on host memory): the split communicators' collectives and the hierarchical strategy at
+2x2, 2x4 and 4x2 equal the host backend bit for bit; bad arguments raise before anything
+happens; an abort reaches the split communicators. tests/test_loopback_split_gpu.py runs the
+same jobs on a GPU."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from loopback_sim import patch, run
+from test_hierarchical import small_layout
+from test_managers import bf16_grad, drive
+
+import lowgrad as lg
+
+SHAPES = [(4, 2), (8, 4), (8, 2)]
+
+
+@pytest.fixture(autouse=True)
+def sim(monkeypatch: pytest.MonkeyPatch) -> None:
+    patch(monkeypatch)
+
+
+def node_sums(group: int) -> Any:
+    """The job: split by node and by local index, all-reduce within each, return the results."""
+    def job(c: Any) -> tuple[int, int, int, int, list[float], list[float]]:
+        node, cross = c.split(c.rank // group), c.split(c.rank % group, -c.rank)  # cross: reversed order
+        out = []
+        for sub in (node, cross):
+            t = c.device.alloc((3,), lg.fp32, name="t")
+            c.device.copy_from_host(t, np.full(3, 2.0 ** c.rank, np.float32))
+            sub.all_reduce(t, "sum")
+            host = np.zeros(3, np.float32)
+            sub.wait()
+            c.device.copy_to_host(host, t)
+            out.append(host.tolist())
+        res = (node.rank, node.world, cross.rank, cross.world, out[0], out[1])
+        node.close()
+        cross.close()
+        return res
+    return job
+
+
+def hierarchical(group: int, offload: bool) -> Any:
+    layout = small_layout()
+
+    def job(c: Any) -> dict[str, np.ndarray]:
+        with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=group, offload=offload,
+                                        seed=7) as gm:
+            return drive(c, layout, "hierarchical", offload, 3, steps=2, gm=gm, gfun=bf16_grad)
+    return job
+
+
+def check_node_sums(results: list[Any], world: int, group: int) -> None:
+    N = world // group
+    for r, (nr, nw, cr, cw, a, b) in enumerate(results):
+        n, g = divmod(r, group)
+        assert (nr, nw, cr, cw) == (g, group, N - 1 - n, N)
+        assert a == [sum(2.0 ** (n * group + k) for k in range(group))] * 3
+        assert b == [sum(2.0 ** (k * group + g) for k in range(N))] * 3
+
+
+@pytest.mark.parametrize("world,group", SHAPES)
+def test_split_collectives(world: int, group: int) -> None:
+    check_node_sums(run(world, node_sums(group)), world, group)
+
+
+@pytest.mark.parametrize("world,group", SHAPES)
+@pytest.mark.parametrize("offload", [False, True])
+def test_hierarchical_equals_the_host_backend(world: int, group: int, offload: bool) -> None:
+    job = hierarchical(group, offload)
+    for a, b in zip(run(world, job), lg.run_threads(world, job)):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_bad_arguments_raise_before_anything_happens() -> None:
+    def job(c: Any) -> int:
+        for color, key, exc in ((-1, None, ValueError), (True, None, TypeError), (0, 1.5, TypeError)):
+            with pytest.raises(exc, match="split"):
+                c.split(color, key)
+        with c.split(0) as sub:
+            return sub.world
+    assert run(2, job) == [2, 2]
+
+
+def test_an_abort_reaches_the_split_communicators() -> None:
+    def job(c: Any) -> None:
+        sub = c.split(0)
+        if c.rank == 1:
+            raise RuntimeError("boom in rank 1")
+        sub.barrier()
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom"):
+        run(2, job, timeout=60)
+    assert time.monotonic() - t0 < 10

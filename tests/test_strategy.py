@@ -1,0 +1,72 @@
+"""The strategy interface (lowgrad/managers/strategy.py) holds: every strategy lives in its own
+file of lowgrad/managers/strategies/, is registered there, and reaches the manager only through
+its StrategyContext: no file of a strategy reads or writes a private member (``x._name``) of
+anything but itself, and none imports the manager."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lowgrad as lg
+from lowgrad.managers import STRATEGIES
+from lowgrad.managers.strategy import Strategy
+
+FOLDER = Path(__file__).resolve().parents[1] / "lowgrad" / "managers" / "strategies"
+
+
+def private_access(path: Path) -> list[str]:
+    """Each ``x._name`` in ``path`` (dunders aside) but ``self._name`` where the file assigns
+    ``self._name`` itself, and each import of the manager module: ``file:line: what``."""
+    tree = ast.parse(path.read_text())
+    own = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+           and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    bad = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            mine = isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr in own
+            if not mine:
+                bad.append(f"{path.name}:{n.lineno}: {ast.unparse(n)}")
+        if isinstance(n, ast.ImportFrom) and n.module is not None and n.module.startswith("lowgrad.managers.manager"):
+            bad.append(f"{path.name}:{n.lineno}: imports {n.module}")
+    return bad
+
+
+def test_no_strategy_touches_a_private_member_of_the_manager() -> None:
+    files = sorted(FOLDER.glob("*.py"))
+    assert len(files) > len(STRATEGIES) - 1
+    bad = [b for f in files for b in private_access(f)]
+    assert not bad, f"strategies reach past their StrategyContext: {bad}"
+
+
+def test_the_check_sees_a_private_access(tmp_path: Path) -> None:
+    """The walk above finds what it looks for (the old strategies, subclasses of the manager,
+    failed it: ``self._protocol``, ``self._join``, ``self._reduce_scatter_all``...)."""
+    f = tmp_path / "s.py"
+    f.write_text("from lowgrad.managers.manager import GradientManager\n"
+                 "class S:\n    def __init__(self, ctx):\n        self._mine = ctx\n"
+                 "    def notify(self):\n        self._mine.run()\n        self._protocol.micro\n"
+                 "        self.ctx._wait(1)\n")
+    assert [b.split(": ", 1)[1] for b in private_access(f)] == [
+        "imports lowgrad.managers.manager", "self._protocol", "self.ctx._wait"]
+
+
+def test_one_file_per_strategy_registered_by_name() -> None:
+    for name, cls in STRATEGIES.items():
+        assert issubclass(cls, Strategy) and cls.name == name
+        assert Path(__import__(cls.__module__, fromlist=["_"]).__file__).parent == FOLDER
+    assert len({c.__module__ for c in STRATEGIES.values()}) == len(STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+def test_a_strategy_without_options_refuses_one_before_allocating(strategy: str) -> None:
+    layout = lg.Layout(block=(lg.ParamSpec("w", (8, 4)),), non_block=(lg.ParamSpec("emb", (6, 4)),), num_layers=2)
+
+    def create(comm: lg.HostCommunicator) -> None:
+        before = comm.device.memory_report().as_dict()
+        with pytest.raises(TypeError, match=f"the {strategy} strategy takes no options; got \\['group_size'\\]"):
+            lg.create_gradient_manager(layout, comm, strategy=strategy, group_size=2)
+        assert comm.device.memory_report().as_dict() == before
+        lg.create_gradient_manager(layout, comm, strategy=strategy).close()
+    lg.run_threads(1, create)
