@@ -52,6 +52,8 @@ from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.stats import StatsReading
 
+__all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES"]
+
 _BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "model.decoder.layers")
 
 

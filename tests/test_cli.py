@@ -186,6 +186,60 @@ def test_demo_rejects_a_world_that_does_not_divide_the_layout() -> None:
     assert out.stderr.startswith(f"{os.path.basename(sys.executable)} -m lowgrad demo: error:")  # as invoked
 
 
+@pytest.mark.parametrize("argv,who,says", [
+    (["demo", "--world", "0"], "lowgrad demo", "argument --world: must be at least 1, got 0"),
+    (["demo", "--bogus"], "lowgrad demo", "unrecognized arguments: --bogus"),
+    (["demo", "--steps"], "lowgrad demo", "argument --steps: expected one argument"),
+    (["demo", "--strategy", "nope"], "lowgrad demo", "argument --strategy: invalid choice: 'nope'"),
+    (["doctor", "extra"], "lowgrad doctor", "unrecognized arguments: extra"),
+    (["doctor", "--jsn"], "lowgrad doctor", "unrecognized arguments: --jsn"),
+    (["--bogus", "demo"], "lowgrad", "unrecognized arguments: --bogus"),
+    (["bogus"], "lowgrad", "argument {doctor,demo}: invalid choice: 'bogus'"),
+    ([], "lowgrad", "the following arguments are required: {doctor,demo}"),
+])
+def test_an_argument_error_is_one_line_naming_the_command(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                         who: str, says: str) -> None:
+    """docs/cli.md: a bad argument is one line on stderr naming the (sub)command it belongs to,
+    exit status 2, nothing on stdout (argparse would print the usage first, and blame the
+    top-level parser for an option the subcommand does not know)."""
+    with pytest.raises(SystemExit) as info:
+        main(argv, prog="lowgrad")
+    out = capsys.readouterr()
+    assert info.value.code == 2 and out.out == ""
+    (line,) = out.err.splitlines()
+    assert line.startswith(f"{who}: error: {says}"), line  # argparse may add "(choose from ...)"
+
+
+@pytest.mark.parametrize("args", [["doctor"], ["doctor", "--json"],
+                                  ["demo", "--backend", "host", "--micro-steps", "2", "--steps", "1"]])
+def test_a_closed_pipe_ends_quietly_with_the_shells_status(args: list[str]) -> None:
+    """``lowgrad doctor | head -1``: the reader goes away (here before the first write, so that
+    the outcome does not depend on timing); the command ends without a traceback, with 141 (128 +
+    SIGPIPE, what the shell reports for a command SIGPIPE ends)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "lowgrad", *args], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the reader of stdout going away is quiet: a BrokenPipeError from anything else (a
+    rendezvous socket) while stdout is fine propagates."""
+    from lowgrad.cli import doctor
+
+    def broken(args: object) -> int:
+        raise BrokenPipeError("a socket")
+
+    monkeypatch.setattr(doctor, "run", broken)
+    with pytest.raises(BrokenPipeError, match="a socket"):
+        main(["doctor"], prog="lowgrad")
+
+
 def test_version_names_the_program_as_invoked() -> None:
     out = run("--version")
     assert out.returncode == 0 and out.stdout.split() == [os.path.basename(sys.executable), "-m", "lowgrad",

@@ -66,6 +66,58 @@ def test_relative_links_resolve() -> None:
     assert not broken, broken
 
 
+# what the documents cite under benchmarks/: a path, or a file inside a run's archive as
+# `benchmarks/<run>/raw.tar.xz:<path>`; a `<...>` placeholder (`benchmarks/<date>-<card>-<runs>/`) cites nothing
+BENCH_PATH = re.compile(r"(?<![\w/.-])benchmarks/[\w./:<>-]*")
+BENCH_TEXTS = [*DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "benchmarks").glob("*/*.md")),
+               *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def cited_benchmark_paths(text: str) -> list[str]:
+    return [c.rstrip(".:") for c in BENCH_PATH.findall(text) if "<" not in c]
+
+
+def missing_benchmark_paths(cited: list[str]) -> list[str]:
+    import tarfile
+
+    missing, members = [], {}
+    for c in cited:
+        path, _, member = c.partition(".tar.xz:")
+        if not member:
+            if not (ROOT / path).exists():
+                missing.append(c)
+            continue
+        archive = ROOT / (path + ".tar.xz")
+        if archive not in members:
+            members[archive] = set(tarfile.open(archive).getnames()) if archive.is_file() else set()
+        if member not in members[archive]:
+            missing.append(c)
+    return missing
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks" / "runs.json").is_file(), reason="no benchmarks/ here")
+def test_cited_benchmark_files_exist() -> None:
+    """Every file under benchmarks/ that BENCHMARKS.md, README.md, docs/, CHANGELOG.md or a run's
+    notes cite exists, as a file or inside the run's raw.tar.xz: each published figure stays
+    traceable to its raw data."""
+    cited = {f"{doc.relative_to(ROOT)}: {c}": c for doc in BENCH_TEXTS for c in cited_benchmark_paths(doc.read_text())}
+    assert len(cited) > 20 and any(".tar.xz:" in c for c in cited.values())
+    missing = set(missing_benchmark_paths(list(cited.values())))
+    assert not missing, sorted(k for k, c in cited.items() if c in missing)
+
+
+def test_benchmark_citations_are_parsed() -> None:
+    text = ("see `benchmarks/runs.json`. and benchmarks/<date>-<card>-<runs>/ and "
+            "`benchmarks/2026-12-02-h200-run4/raw.tar.xz:nccl_bench.log`, not xbenchmarks/a")
+    cited = cited_benchmark_paths(text)
+    assert cited == ["benchmarks/runs.json", "benchmarks/2026-12-02-h200-run4/raw.tar.xz:nccl_bench.log"]
+    if (ROOT / "benchmarks" / "2026-12-02-h200-run4" / "raw.tar.xz").is_file():
+        assert missing_benchmark_paths(cited) == []
+        assert missing_benchmark_paths(["benchmarks/2026-12-02-h200-run4/raw.tar.xz:nope.log",
+                                        "benchmarks/2026-12-02-h200-run4/nccl_bench.log"]) == [
+            "benchmarks/2026-12-02-h200-run4/raw.tar.xz:nope.log", "benchmarks/2026-12-02-h200-run4/nccl_bench.log"]
+
+
 # the design file and folder that only the developers have (spelled in parts, so that this test
 # does not itself name them)
 OUTSIDE = ("DESIGN" + ".md", "../" + "shared")

@@ -39,16 +39,17 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-try:  # the soak trains through lowgrad.torch: without PyTorch and transformers, one line
-    import torch
-    import transformers  # noqa: F401
-except ImportError as _exc:
-    print(f"fault_soak: needs PyTorch and transformers ({_exc}): pip install \".[torch]\" transformers",
-          file=sys.stderr)
-    sys.exit(2)
-
 import lowgrad as lg  # noqa: E402
-import lowgrad.torch  # noqa: E402
+
+try:  # the soak trains through lowgrad.torch: without PyTorch and transformers, --help still
+    import torch  # answers, and a run says so in one line (setup)
+    import transformers  # noqa: F401
+
+    import lowgrad.torch
+    _MISSING = ""
+except ImportError as _exc:
+    _MISSING = f"needs PyTorch and transformers ({_exc}): pip install \".[torch]\" transformers"
+
 from lowgrad.managers import STRATEGIES  # noqa: E402
 
 KINDS = ("nonfinite", "forward", "backward", "data", "badarg")
@@ -310,6 +311,9 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
     p.add_argument("--json", default=None, help="the report as JSON (default: $OUT/fault_soak.json where $OUT is set)")
     a = p.parse_args(argv)
+    if _MISSING:
+        print(f"fault_soak: {_MISSING}", file=sys.stderr)
+        sys.exit(2)
     for good, msg in [(a.steps >= 1 and a.micro_steps >= 1, "--steps and --micro-steps must be >= 1"),
                       (0 <= a.fault_rate <= 1, "--fault-rate must be in [0, 1]"),
                       (a.layers >= 2, "--layers must be >= 2"), (a.timeout > 0, "--timeout must be > 0"),

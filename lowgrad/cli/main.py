@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
 import sys
+from collections.abc import Iterable
+from typing import Any, NoReturn
 
 from lowgrad.cli import demo, doctor
 from lowgrad.core.version import __version__
@@ -26,12 +30,36 @@ def prog_name(argv0: str | None = None) -> str:
     return "lowgrad"
 
 
+#: the status a shell reports for a command that a closed pipe ended (128 + SIGPIPE)
+CLOSED_PIPE = 128 + signal.SIGPIPE
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument error is one line on stderr, ``<prog>: error: <message>``, and exit status 2
+    (docs/cli.md), where argparse prints the usage first; ``--help`` still prints it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class Command(Parser):
+    """A subcommand's parser: an argument it does not know is its error, naming it (argparse
+    would hand it up to the top-level parser, which then blames ``lowgrad`` itself)."""
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
+
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``prog`` defaults to :func:`prog_name`."""
-    p = argparse.ArgumentParser(prog=prog_name() if prog is None else prog, description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=prog_name() if prog is None else prog, description=DESCRIPTION,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="{doctor,demo}")
+    sub = p.add_subparsers(title="commands", dest="command", required=True, metavar="{doctor,demo}",
+                           parser_class=Command)
     for name, module in (("doctor", doctor), ("demo", demo)):
         cmd = sub.add_parser(name, help=module.SUMMARY, description=module.DESCRIPTION,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +69,28 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; its exit status."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; its exit status.
+
+    A reader that closes stdout early (``lowgrad doctor | head -1``) ends the command quietly
+    with :data:`CLOSED_PIPE`, the status a shell gives a command that SIGPIPE ended. Python's
+    recipe (the ``signal`` module's notes on SIGPIPE): stdout is pointed at devnull, so that the
+    interpreter's last flush does not raise again. SIGPIPE itself keeps Python's disposition: a
+    socket of a rendezvous that breaks is an error, and is reported as one."""
     args = parser(prog).parse_args(argv)
-    return int(args.run(args))
+    try:
+        status = int(args.run(args))
+        sys.stdout.flush()  # inside the try: a block-buffered pipe fails here, not at exit
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket broke: not the reader of stdout going away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE
+    return status
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader is gone: poll reports an error or hang-up on the writing end of a
+    pipe whose reading end was closed (a zero-byte write would not tell, it succeeds)."""
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))

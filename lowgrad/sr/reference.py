@@ -3,11 +3,9 @@
 its kernels (an elementwise kernel's host twin is the function of its name here, see
 :class:`lowgrad.core.kernels.Elementwise`).
 
-Float32 operation order, which the kernels follow exactly: ``add_sr`` computes
-``(float(a) + float(b)) * scale``; ``scale_sr`` ``float(a) * scale``; ``reduce_sr`` starts from
-``float(dst)`` (accumulate) or ``+0.0``, adds ``float(src[k])`` for ``k = 0 .. n_shards - 1``
-except ``skip``, then multiplies by ``scale``. Each function checks its arguments with the value
-rules of :mod:`lowgrad.sr.checks`, which :mod:`lowgrad.ops` applies too.
+Each function's docstring gives the float32 operation order, which the kernel follows exactly,
+and each checks its arguments with the value rules of :mod:`lowgrad.sr.checks`, which
+:mod:`lowgrad.ops` applies too.
 """
 from __future__ import annotations
 
