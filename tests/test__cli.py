@@ -49,6 +49,8 @@ CASES = [
     ("tools/predict_scaling.py", [], "ok", False),
     ("tools/predict_scaling.py", ["--bench-layer", "missing.json"], "why", False),
     ("tools/race_hunt.py", [], "gpu", True),
+    ("tools/world2_report.py", [], "why", False),
+    ("tools/world2_report.py", ["missing"], "why", False),
     ("examples/train_lm.py", [], "verdict", False),
     ("examples/train_lm.py", ["--device", "cuda", "--steps", "3"], "gpu", False),
     ("examples/train_lm.py", ["--world", "3"], "why", False),
