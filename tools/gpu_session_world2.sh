@@ -65,6 +65,11 @@ RUNS=("lowgrad_scatter_reduce --mode lowgrad --strategy scatter_reduce"
 step nccl_blocking 90 python3 tools/nccl_bench.py "${NB[@]}" --mode blocking --json "$R/nccl_blocking.json"
 step nccl_nonblocking 60 python3 tools/nccl_bench.py "${NB[@]}" --mode nonblocking --no-torch \
   --json "$R/nccl_nonblocking.json"
+# the world-1 bound (host us per call within 10% of the non-blocking mode's): both modes on GPU 0
+for mode in blocking nonblocking; do
+  step "nccl_w1_$mode" 40 python3 tools/nccl_bench.py --world 1 --min-bytes 1M --max-bytes 16M --dtypes bf16 \
+    --mode "$mode" --no-torch --json "$R/nccl_w1_$mode.json"
+done
 # 2. the step at world 2
 for run in "${RUNS[@]}"; do
   set -- $run; name=$1; shift

@@ -1,6 +1,7 @@
 """The world-2 evidence of ``tools/gpu_session.sh --world 2`` in one table: what it wrote under
 ``RUN`` (its ``run/`` folder) read back, nothing measured here.
 
+- world 1: lowgrad's host us per call in both modes (issue 33: the blocking mode within 10%);
 - NCCL: per collective and size, lowgrad's ms in the blocking and the non-blocking mode (host
   us per call beside), torch.distributed's, and torch ms / lowgrad ms (>= 0.95 is issue 33's bar);
 - the 0.5B step at world 1 and 2 (torchrun): median step ms, the world-2 / world-1 ratio, PyTorch's
@@ -66,6 +67,25 @@ def nccl_table(run_dir: str) -> tuple[list[str], list[dict[str, Any]]]:
     return lines, rows
 
 
+def world1_host(run_dir: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Host us per call at world 1, blocking / non-blocking (issue 33's bound: within 10%)."""
+    got = {m: load(os.path.join(run_dir, f"nccl_w1_{m}.json")) for m in ("blocking", "nonblocking")}
+    if not all(got.values()):
+        return ["world 1: no result of both modes (see run/nccl_w1_*.log)"], []
+    nb = {(r["op"], r["bytes"]): r for r in got["nonblocking"]["rows"]}  # type: ignore[index]
+    lines, rows = [f"{'op':<15}{'bytes':>12}{'blocking us':>13}{'nonblk us':>11}{'ratio':>7}"], []
+    for r in got["blocking"]["rows"]:  # type: ignore[index]
+        o = nb.get((r["op"], r["bytes"]))
+        if o is None:
+            continue
+        ratio = r["lowgrad_host_us"] / o["lowgrad_host_us"]
+        rows.append({"op": r["op"], "bytes": r["bytes"], "blocking_host_us": r["lowgrad_host_us"],
+                     "nonblocking_host_us": o["lowgrad_host_us"], "ratio": ratio})
+        lines.append(f"{r['op']:<15}{r['bytes']:>12}{r['lowgrad_host_us']:>13.1f}{o['lowgrad_host_us']:>11.1f}"
+                     f"{ratio:>7.3f}")
+    return lines, rows
+
+
 def step_table(run_dir: str) -> tuple[list[str], dict[str, Any]]:
     out: dict[str, Any] = {}
     lines = [f"{'run':<24}{'w1 ms':>9}{'w2 ms':>9}{'w2/w1':>7}{'w1 peak MiB':>13}{'w2 peak MiB':>13}"
@@ -116,17 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.run or not os.path.isdir(args.run):
         raise CannotRun(f"needs the run/ folder of tools/gpu_session.sh --world 2 (got {args.run or 'none'})")
     nl, nrows = nccl_table(args.run)
+    wl, w1rows = world1_host(args.run)
     sl, steps = step_table(args.run)
     tl, phases = timeline(args.run)
     print("NCCL at world 2 (ratio = torch ms / lowgrad ms)")
     print("\n".join(nl))
+    print("\nworld 1: host us per call, blocking / non-blocking (issue 33: ratio <= 1.10)")
+    print("\n".join(wl))
     print("\nthe 0.5B step under torchrun (median step ms; PyTorch's peak; rank 0's final loss)")
     print("\n".join(sl))
     print("\none world-2 step, per phase (ms; medians over the timed steps)")
     print("\n".join(tl))
     path = os.path.join(args.run, "world2_report.json")
     with open(path, "w") as f:
-        json.dump({"nccl": nrows, "steps": steps, "timeline": phases}, f, indent=1)
+        json.dump({"nccl": nrows, "world1_host": w1rows, "steps": steps, "timeline": phases}, f, indent=1)
     print(f"wrote {path}")
     return 0
 

@@ -270,10 +270,11 @@ class Communicator(GpuCommBase):
 
     def _leave(self, stream: int | None) -> None:
         """The call returned; its work was queued on ``stream`` (None: nothing to watch; inside a
-        group nothing is queued until the group ends)."""
+        group nothing is queued until the group ends; a call captured into a CUDA graph runs at
+        its replays, which the marker would not follow: :meth:`wait` bounds those)."""
         wd = self._wd
         if wd is not None:
-            wd.leave(stream if self._watch_streams and self._group is None else None)
+            wd.leave(stream if self._watch_streams and self._group is None and not capture.active[0] else None)
 
     def _why(self, exc: NcclError) -> Exception:
         """What a failed NCCL call raises: the watchdog's reason when it aborted the call."""
