@@ -119,7 +119,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     cuda = getattr(comm.device, "backend", "host") == "cuda"
     device = torch.device("cuda", comm.device.ordinal) if cuda else torch.device("cpu")
     dtype = torch.float32 if args.mode in ("torch_fp32", "fsdp2") else torch.bfloat16
-    model = build(args.size, dtype, device, args.seed)
+    model: Any = build(args.size, dtype, device, args.seed)  # ddp, fsdp2: wrapped, with their own methods
     params = [p for p in model.parameters() if p.requires_grad]
     kw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
     attached = masters = None

@@ -40,7 +40,8 @@ def load(path: str) -> dict[str, Any] | None:
 
 def nccl_table(run_dir: str) -> tuple[list[str], list[dict[str, Any]]]:
     modes = {m: load(os.path.join(run_dir, f"nccl_{m}.json")) for m in ("blocking", "nonblocking")}
-    lines, rows = [], []
+    lines: list[str] = []
+    rows: list[dict[str, Any]] = []
     for m, got in modes.items():
         if got is None:
             lines.append(f"nccl_bench {m}: no result (see run/nccl_{m}.log)")

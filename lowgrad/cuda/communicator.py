@@ -193,10 +193,10 @@ class Communicator(GpuCommBase):
             rc = nccl.comm_finalize(handle)
             if rc == nccl.IN_PROGRESS:
                 self._poll("ncclCommFinalize", self.timeout, partial(_settled, "ncclCommFinalize", handle))
-            nccl.comm_destroy(handle)
         except BaseException:
             nccl.comm_abort(handle)
             raise
+        nccl.comm_destroy(handle)
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """A new communicator of the ranks that pass the same ``color`` (a non-negative int),
