@@ -382,13 +382,7 @@ class Communicator(GpuCommBase):
                         nccl.send(base + send_slot * nbytes, n, dt, send_peer, self.handle, h)
                         nccl.recv(base + recv_slot * nbytes, n, dt, recv_peer, self.handle, h)
                 finally:
-                    self._enter()
-                    try:
-                        rc = nccl.group_end()
-                    except NcclError as exc:
-                        self._leave(None)
-                        raise self._why(exc) from None
-                    self._leave(h)
+                    rc = self._launch_group(h)
             if rc:
                 self._settle("ncclGroupEnd", rc, self.timeout)
 
@@ -403,15 +397,20 @@ class Communicator(GpuCommBase):
 
     def _group_close(self, g: Group, failed: bool) -> None:
         with self._lock:
-            self._enter()
-            try:
-                rc = nccl.group_end()
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(None if failed else stream_handle(g.stream))
+            rc = self._launch_group(None if failed else stream_handle(g.stream))
         if not failed:
             self._settle("ncclGroupEnd", rc, self.timeout)
+
+    def _launch_group(self, stream: int | None) -> int:
+        """``ncclGroupEnd`` under the lock, watched (its work queued on ``stream``; None: none)."""
+        self._enter()
+        try:
+            rc = nccl.group_end()
+        except NcclError as exc:
+            self._leave(None)
+            raise self._why(exc) from None
+        self._leave(stream)
+        return rc
 
     # ---- host-side helpers (blocking) --------------------------------------------------
     def _scratch(self, name: str, nbytes: int) -> Tensor:
