@@ -202,6 +202,19 @@ def test_poll_failure_is_the_reason_and_abort_runs_once() -> None:
             wd.check()
 
 
+def test_an_error_with_its_own_constructor_reaches_each_waiter_as_its_own_instance() -> None:
+    from lowgrad.core.errors import NcclError
+
+    wd, _, _, _ = make()
+    wd.fail(NcclError("ncclCommGetAsyncError", 6, "ncclRemoteError", "remote process exited", "peer gone"))
+    got = [wd.error() for _ in range(2)]
+    assert got[0] is not got[1]
+    for e in got:
+        assert isinstance(e, NcclError) and (e.code, e.name, e.last_error) == (6, "ncclRemoteError", "peer gone")
+        assert str(e) == ("ncclCommGetAsyncError failed: ncclRemoteError (6): remote process exited "
+                          "(last error: peer gone)")
+
+
 def test_a_raising_poll_is_a_failure() -> None:
     wd, _, target, _ = make()
 

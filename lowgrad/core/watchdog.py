@@ -67,7 +67,7 @@ class Watchdog:
         self._ring = threading.Lock()
         self._poll, self._abort, self._clock = poll, abort, clock
         self._host_since: float | None = None  # when the call now blocking the host began
-        self._failure: tuple[type[Exception], str] | None = None
+        self._failure: Exception | None = None
         self._fail_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,9 +101,10 @@ class Watchdog:
         return self._failure is not None
 
     def error(self) -> Exception | None:
-        """A new instance of the failure (each waiter raises its own), or None."""
+        """A new instance of the failure (each waiter raises its own: a raise writes the
+        traceback into the instance), or None."""
         f = self._failure
-        return None if f is None else f[0](f[1])
+        return None if f is None else _copy(f)
 
     def check(self) -> None:
         """Raise the failure, if any."""
@@ -117,11 +118,11 @@ class Watchdog:
         with self._fail_lock:
             if self._failure is not None:
                 return False
-            self._failure = (type(exc), str(exc))
+            self._failure = _copy(exc)
         try:
             self._abort(exc)
         except Exception as abort_exc:  # noqa: BLE001 - the failure stays what waiters raise
-            self._failure = (type(exc), f"{exc} (aborting raised {type(abort_exc).__name__}: {abort_exc})")
+            self._failure = _copy(exc, f" (aborting raised {type(abort_exc).__name__}: {abort_exc})")
         return True
 
     def tick(self) -> None:
@@ -182,3 +183,12 @@ class Watchdog:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join()
+
+
+def _copy(exc: Exception, suffix: str = "") -> Exception:
+    """A new instance of ``exc``'s type with its attributes and message (``suffix`` appended),
+    made without calling its ``__init__`` (NcclError's takes other arguments than its message)."""
+    new = type(exc).__new__(type(exc))
+    new.__dict__.update(exc.__dict__)
+    new.args = (f"{exc}{suffix}",) if suffix else exc.args
+    return new
