@@ -156,8 +156,19 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNccl:
     return f
 
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_threads() -> None:
+    """The threads alive before the test (another file's communicator may still be open)."""
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
+
+
 def watchdog_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog")]
+    """The watchdog threads this test started and that are still alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _EARLIER]
 
 
 def make(fake: FakeNccl, blocking: bool = True, world: int = 2, **kw: Any) -> tuple[Any, Device, Any]:

@@ -63,8 +63,19 @@ def make(n: int = 4, timeout: float = 10.0, start: bool = False, **kw: Any) -> t
     return wd, markers, target, clock
 
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_threads() -> None:
+    """The threads alive before the test (another file's communicator may still be open)."""
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
+
+
 def watchdog_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog")]
+    """The watchdog threads this test started and that are still alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _EARLIER]
 
 
 def test_a_collective_that_never_completes_is_aborted_after_the_timeout_not_before() -> None:
