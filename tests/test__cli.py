@@ -57,6 +57,8 @@ CASES = [
     ("examples/train_lm.py", ["--world", "0"], "why", False),
     ("examples/train_transformer.py", [], "verdict", True),  # CPU: the tiny model, 30 steps
     ("examples/train_transformer.py", ["--profile"], "gpu", True),
+    ("examples/train_transformer.py", ["--mode", "ddp"], "why", False),  # outside torchrun
+    ("examples/train_transformer.py", ["--mode", "torch_bf16", "--world", "2"], "why", False),
     ("examples/plot_losses.py", [], "why", False),
     ("examples/run_gpu.sh", [], "gpu", True),
     ("examples/run_transformer_gpu.sh", [], "gpu", True),
