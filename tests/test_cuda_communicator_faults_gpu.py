@@ -15,10 +15,10 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
+from helpers import watchdog_threads
 
 import lowgrad as lg
 from lowgrad.cuda import driver as _cuda
@@ -29,21 +29,6 @@ pytestmark = [pytest.mark.gpu,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 5.0  # seconds: the communicators' timeout in the two-process cases
 MARGIN = 5.0  # seconds past it that the peer may take to raise (the watchdog's round, the abort)
-
-
-_EARLIER: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _earlier_threads() -> None:
-    """The threads alive before the test (another file's communicator may still be open)."""
-    _EARLIER.clear()
-    _EARLIER.update(threading.enumerate())
-
-
-def watchdog_threads() -> list[threading.Thread]:
-    """The watchdog threads this test started and that are still alive."""
-    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _EARLIER]
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import watchdog_threads
 
 import lowgrad as lg
 from lowgrad.core import release
@@ -154,21 +155,6 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNccl:
     f = FakeNccl()
     monkeypatch.setattr(cuda_comm, "nccl", f)
     return f
-
-
-_EARLIER: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _earlier_threads() -> None:
-    """The threads alive before the test (another file's communicator may still be open)."""
-    _EARLIER.clear()
-    _EARLIER.update(threading.enumerate())
-
-
-def watchdog_threads() -> list[threading.Thread]:
-    """The watchdog threads this test started and that are still alive."""
-    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _EARLIER]
 
 
 def make(fake: FakeNccl, blocking: bool = True, world: int = 2, **kw: Any) -> tuple[Any, Device, Any]:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from helpers import watchdog_threads
 
 from lowgrad.core.errors import CommAbortedError, CommTimeoutError
 from lowgrad.core.watchdog import INTERVAL_MAX, Watchdog
@@ -61,21 +62,6 @@ def make(n: int = 4, timeout: float = 10.0, start: bool = False, **kw: Any) -> t
         kw["clock"] = clock
     wd = Watchdog("rank 0 of 2", timeout, markers, target.poll, kw.pop("abort", target.abort), start=start, **kw)
     return wd, markers, target, clock
-
-
-_EARLIER: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _earlier_threads() -> None:
-    """The threads alive before the test (another file's communicator may still be open)."""
-    _EARLIER.clear()
-    _EARLIER.update(threading.enumerate())
-
-
-def watchdog_threads() -> list[threading.Thread]:
-    """The watchdog threads this test started and that are still alive."""
-    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _EARLIER]
 
 
 def test_a_collective_that_never_completes_is_aborted_after_the_timeout_not_before() -> None:
