@@ -10,6 +10,16 @@ Modes (``--mode``), each with AdamW, fp32 master weights, gradient clipping at `
 - ``lowgrad``: bf16 parameters, gradients through a lowgrad gradient manager (``--strategy``,
   SR into bf16 shards), :class:`lowgrad.torch.ShardOptimizer` with fp32 master weights.
 
+Under torchrun (one process per GPU, ``torchrun --nproc-per-node N``) the ``lowgrad`` mode takes
+its communicator from the launcher (:func:`lowgrad.from_env`), and two more modes run PyTorch's
+own data parallelism for comparison: ``ddp`` (``DistributedDataParallel`` over the
+``torch_bf16`` setup: bf16 parameters and gradients, fp32 master weights; its all-reduce only at
+the last micro-step) and ``fsdp2`` (``fully_shard`` per decoder layer and at the root: fp32
+sharded parameters, bf16 compute and gradient reduction, its reduce-scatter only at the last
+micro-step). Backend ``nccl`` on GPUs, ``gloo`` on the CPU. Without a launcher ``--world N``
+runs lowgrad's ranks as threads (``lowgrad.run_threads``; the host backend on the CPU). Each
+rank reads its own micro-batches (seed + rank); rank 0 writes ``--json`` (its own loss).
+
 The model is Qwen2.5-0.5B's architecture (``--size 0.5b``: hidden 896, 24 layers, 14/2 heads,
 intermediate 4864) with a 256-symbol byte vocabulary and tied embeddings (0.36B parameters;
 random initialisation — nothing is downloaded), or a tiny one for a CPU smoke run (``--size
@@ -108,8 +118,8 @@ def build(size: str, dtype: torch.dtype, device: torch.device, seed: int) -> tor
 def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     cuda = getattr(comm.device, "backend", "host") == "cuda"
     device = torch.device("cuda", comm.device.ordinal) if cuda else torch.device("cpu")
-    dtype = torch.float32 if args.mode == "torch_fp32" else torch.bfloat16
-    model = build(args.size, dtype, device, args.seed)
+    dtype = torch.float32 if args.mode in ("torch_fp32", "fsdp2") else torch.bfloat16
+    model: Any = build(args.size, dtype, device, args.seed)  # ddp, fsdp2: wrapped, with their own methods
     params = [p for p in model.parameters() if p.requires_grad]
     kw = {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
     attached = masters = None
@@ -119,12 +129,23 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding,
                                         overlap=not args.no_overlap, stats=args.stats is not None)
         opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
-    elif args.mode == "torch_bf16":
+    elif args.mode in ("torch_bf16", "ddp"):
         masters = [p.detach().float().clone().requires_grad_() for p in params]
         opt = torch.optim.AdamW(masters, **kw)
+        if args.mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    elif args.mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        params = [p for p in model.parameters() if p.requires_grad]  # the sharded fp32 parameters
+        opt = torch.optim.AdamW(params, **kw)
     else:
         opt = torch.optim.AdamW(params, **kw)
-    data = batches(corpus(), args.batch, args.seq, args.seed + 1)
+    data = batches(corpus(), args.batch, args.seq, args.seed + 1 + comm.rank)
     M, losses, times = args.micro_steps, [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -164,7 +185,12 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             if attached is not None:
                 with attached.micro_step(m, M):
                     loss.backward()
+            elif args.mode == "ddp" and m < M - 1:
+                with model.no_sync():  # DDP's all-reduce at the last micro-step only
+                    loss.backward()
             else:
+                if args.mode == "fsdp2":
+                    model.set_requires_gradient_sync(m == M - 1)
                 loss.backward()
             if hook is not None:
                 hook.remove()
@@ -212,7 +238,10 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
     how = f"/{args.strategy}" + (f"/{attached.gm.rounding}" if attached.gm.rounding else "") if attached else ""
     label = f"{args.mode}{how}{' no-overlap' if attached and args.no_overlap else ''} seed {args.seed}"
-    out = {"label": label, "mode": args.mode, "strategy": args.strategy if attached is not None else None,
+    if comm.world > 1:
+        label += f" world {comm.world}"
+    out = {"label": label, "mode": args.mode, "world": comm.world, "rank": comm.rank,
+           "strategy": args.strategy if attached is not None else None,
            "rounding": attached.gm.rounding if attached is not None else None,
            "size": args.size,
            "params": sum(p.numel() for p in params), "seed": args.seed, "micro_steps": M, "batch": args.batch,
@@ -374,7 +403,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
         return f"default: {DEFAULTS['cuda'][key]} on a GPU, {DEFAULTS['host'][key]} on the CPU"
     p = Parser("train_transformer",
                description=__doc__.split("\n\n")[0] + " On a GPU when there is one, else on the CPU.")
-    p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad"), default="lowgrad")
+    p.add_argument("--mode", choices=("torch_fp32", "torch_bf16", "lowgrad", "ddp", "fsdp2"), default="lowgrad",
+                   help="ddp, fsdp2: PyTorch's data parallelism, under torchrun")
+    p.add_argument("--world", type=int_at_least(1), default=1,
+                   help="without a launcher: lowgrad's ranks as threads (run_threads); under torchrun: its world")
+    p.add_argument("--timeout", type=float, default=300.0, help="lowgrad's communicator timeout (seconds)")
     p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
     p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
                    help="the sharded strategies' rounding into the bf16 shards")
@@ -425,6 +458,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
         p.error(f"--profile needs --steps >= {PROFILE_FROM + PROFILE_STEPS}")
     if args.stats and args.mode != "lowgrad":
         p.error("--stats measures lowgrad's gradients: it needs --mode lowgrad")
+    launched = launched_world()
+    if args.mode in ("ddp", "fsdp2") and launched is None:
+        raise CannotRun(f"--mode {args.mode} runs under torchrun: torchrun --nproc-per-node N "
+                        f"examples/train_transformer.py --mode {args.mode} ...")
+    if launched is not None and args.world not in (1, launched):
+        p.error(f"--world {args.world}: under torchrun the world is WORLD_SIZE={launched}")
+    if launched is not None and args.mode in ("torch_fp32", "torch_bf16") and launched > 1:
+        p.error(f"--mode {args.mode} is one process: under torchrun use ddp, fsdp2 or lowgrad")
+    if launched is None and args.world > 1 and args.mode != "lowgrad":
+        p.error("--world N (ranks as threads) needs --mode lowgrad")
+    if launched is not None and launched > 1 and backend == "host" and args.mode == "lowgrad":
+        raise CannotRun("lowgrad's host backend runs its ranks as threads of one process: --world N without "
+                        "torchrun")
     if args.inject_nan is not None:
         step, micro, name = (args.inject_nan.split(":", 2) + ["", ""])[:3]
         if not (step.isdigit() and micro.isdigit() and name):
@@ -434,6 +480,50 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
         if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise CannotRun(f"{opt} {out}: no such directory")
     return args, backend
+
+
+def launched_world() -> int | None:
+    """WORLD_SIZE under torchrun (one process per rank), else None."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ else None
+
+
+class TorchRank:
+    """What :func:`train` reads of a communicator, for PyTorch's own data parallelism (ddp,
+    fsdp2): the rank, the world and the device (``backend``, ``ordinal``)."""
+
+    def __init__(self, backend: str) -> None:
+        import torch.distributed as dist
+
+        local = int(os.environ["LOCAL_RANK"])
+        if backend == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if backend == "cuda" else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = type("TorchDevice", (), {"backend": backend, "ordinal": local})()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def run_ranks(args: argparse.Namespace, backend: str) -> dict[str, Any]:
+    """Rank 0's result: one process of torchrun's, or ``--world`` threads."""
+    if launched_world() is None:
+        return lg.run_threads(args.world, lambda comm: train(comm, args), backend=backend, timeout=args.timeout)[0]
+    if args.mode in ("ddp", "fsdp2"):
+        ranks = TorchRank(backend)
+        try:
+            return train(ranks, args)
+        finally:
+            ranks.close()
+    if backend == "host":  # world 1 (checked): one thread
+        return lg.run_threads(1, lambda comm: train(comm, args), backend=backend, timeout=args.timeout)[0]
+    comm = lg.from_env(timeout=args.timeout)
+    try:
+        return train(comm, args)
+    finally:
+        comm.close()
 
 
 def verdict(result: dict[str, Any]) -> tuple[bool, str]:
@@ -461,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and backend == "cuda":  # the profiler's CUDA side initialises in the main thread
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.zeros(1, device="cuda").add_(1)
-    result = lg.run_threads(1, lambda comm: train(comm, args), backend=backend)[0]
+    result = run_ranks(args, backend)
+    if result["rank"] != 0:  # rank 0 reports
+        return 0 if verdict(result)[0] else 1
     ph = result["phases"]
     for key in ("host_ms", "gpu_ms"):
         if key in ph:

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import mark_threads
 
 from lowgrad.cuda import compiler
 from lowgrad.cuda import driver as _cuda
@@ -24,6 +25,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"GPU test: {reason}")
     for it in gpu_items:
         it.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _mark_threads() -> None:
+    """The threads alive before each test (helpers.watchdog_threads lists only later ones)."""
+    mark_threads()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,19 @@ def assert_rewritten(path: Path) -> None:
     st = os.lstat(path)
     assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
     assert path.read_bytes().startswith(kcache._MAGIC)
+
+
+
+_earlier_threads: set[threading.Thread] = set()
+
+
+def mark_threads() -> None:
+    """Remember the threads alive now (tests/conftest.py does before every test)."""
+    _earlier_threads.clear()
+    _earlier_threads.update(threading.enumerate())
+
+
+def watchdog_threads() -> list[threading.Thread]:
+    """The watchdog threads started since :func:`mark_threads` that are still alive (another test
+    file's communicator may still be open, its watchdog alive)."""
+    return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _earlier_threads]

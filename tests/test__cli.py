@@ -51,12 +51,16 @@ CASES = [
     ("tools/predict_scaling.py", [], "ok", False),
     ("tools/predict_scaling.py", ["--bench-layer", "missing.json"], "why", False),
     ("tools/race_hunt.py", [], "gpu", True),
+    ("tools/world2_report.py", [], "why", False),
+    ("tools/world2_report.py", ["missing"], "why", False),
     ("examples/train_lm.py", [], "verdict", False),
     ("examples/train_lm.py", ["--device", "cuda", "--steps", "3"], "gpu", False),
     ("examples/train_lm.py", ["--world", "3"], "why", False),
     ("examples/train_lm.py", ["--world", "0"], "why", False),
     ("examples/train_transformer.py", [], "verdict", True),  # CPU: the tiny model, 30 steps
     ("examples/train_transformer.py", ["--profile"], "gpu", True),
+    ("examples/train_transformer.py", ["--mode", "ddp"], "why", False),  # outside torchrun
+    ("examples/train_transformer.py", ["--mode", "torch_bf16", "--world", "2"], "why", False),
     ("examples/plot_losses.py", [], "why", False),
     ("examples/run_gpu.sh", [], "gpu", True),
     ("examples/run_transformer_gpu.sh", [], "gpu", True),

@@ -5,8 +5,46 @@
 # Outputs go to DIR/run/ and are packed into DIR/results.tar (the plot also as DIR/losses.png).
 #   bash tools/gpu_session.sh [DIR]   (PYTHONPATH=. is set here; DIR by default $OUT/gpu_session, else
 #   ./gpu_session; from the repository's root, a temporary folder: tools/_cli.py output-path)
+#
+# --world 2: the two-GPU evidence of issue 33 instead (one call of at most 10 minutes on 2 x H200), into
+# DIR (default $OUT/gpu_session_world2), each piece's log and JSON under DIR/run/:
+#   1. nccl_bench --world 2, 1 MB .. 1 GB bf16, lowgrad blocking beside torch.distributed, then
+#      lowgrad non-blocking (the A/B of LOWGRAD_NCCL_BLOCKING); and at world 1 (GPU 0, 1-16 MB) both
+#      modes' host us per call (issue 33's bound: blocking within 10% of non-blocking);
+#   2. the 0.5B step under torchrun at 2 processes: lowgrad scatter_reduce, all_to_all and
+#      unsharded, DDP and FSDP2 (examples/train_transformer.py: 4 micro-batches of 4 x 1024 tokens,
+#      AdamW; 6 steps, the median of the last 4; peaks, losses and per-phase times in the JSON);
+#   3. the two-GPU tests (failing peers, from_env, run_threads at world 2) and the communicator's;
+#   4. the same five steps at 1 process, two at a time (one per GPU);
+#   5. tools/world2_report.py: the tables, and one world-2 step per phase, lowgrad beside DDP.
+#   Budget (GPU_SESSION_BUDGET, 570 s): expected about 40 + 25 + 2 x 10 s for 1, 5 x 35 s for 2, 140 s for
+#   3, 3 x 35 s for 4 (about 510 s); each piece has a limit, cut to what is left, and one with
+#   under 20 s left is skipped and named (the report marks what is missing).
+#   bash tools/gpu_session.sh --world 2 [--dry-run] [DIR]
+# --dry-run (with --world 2, no GPU needed): every piece at a tiny size on the CPU: the same scripts
+# and arguments, with the tiny model, torchrun's gloo for DDP and FSDP2, lowgrad's ranks as threads
+# of the host backend for lowgrad at world 2, nccl_bench parsing its arguments only (exit 2: no GPU),
+# the tests collected and skipped; so that the two-GPU call cannot fail on a typo.
 set -u -o pipefail
-OUTDIR=$(python3 "$(dirname "$0")/_cli.py" output-path gpu_session.sh gpu_session "${1:-}") || exit 2
+WORLD=1 DRY=0 GIVEN=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
+    --world) [ $# -ge 2 ] || { echo "gpu_session.sh: --world needs 1 or 2 (see --help)" >&2; exit 2; }
+             WORLD=$2; shift 2;;
+    --world=*) WORLD=${1#--world=}; shift;;
+    --dry-run) DRY=1; shift;;
+    -*) echo "gpu_session.sh: unknown option $1 (see --help)" >&2; exit 2;;
+    *) [ -z "$GIVEN" ] || { echo "gpu_session.sh: one output folder only, got '$GIVEN' and '$1' (see --help)" >&2
+                            exit 2; }
+       GIVEN=$1; shift;;
+  esac
+done
+case "$WORLD" in 1|2) ;; *) echo "gpu_session.sh: --world must be 1 or 2, got '$WORLD' (see --help)" >&2; exit 2;; esac
+if [ "$DRY" = 1 ] && [ "$WORLD" != 2 ]; then echo "gpu_session.sh: --dry-run goes with --world 2 (see --help)" >&2
+  exit 2; fi
+if [ "$WORLD" = 2 ]; then exec bash "$(dirname "$0")/gpu_session_world2.sh" "$DRY" "$GIVEN"; fi
+OUTDIR=$(python3 "$(dirname "$0")/_cli.py" output-path gpu_session.sh gpu_session "$GIVEN") || exit 2
 OUTDIR=$(realpath -m "$OUTDIR")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 python3 tools/_cli.py needs-gpu gpu_session.sh || exit 2  # one line and status 2 without a GPU

@@ -13,6 +13,11 @@ The torch peer runs the same points in ``world`` spawned processes (``init_metho
 backend ``nccl``; world 1 is a single-process group), with ``reduce_scatter_tensor``,
 ``all_gather_into_tensor``, ``all_reduce`` and ``all_to_all_single``. Prints a table
 (GB/s = 1e9 B/s) and writes JSON (``--json PATH``); ``ratio`` is lowgrad busbw / torch busbw.
+
+``--mode blocking|nonblocking`` picks lowgrad's NCCL mode (``LOWGRAD_NCCL_BLOCKING``; default:
+the environment's, blocking when unset). Each point also records the host's cost of a call
+(``host_us``: ``--iters`` calls issued back to back, no wait between, divided by ``--iters``):
+the figure that issue 33's world-1 bound (within 10% of the non-blocking mode) is checked on.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +91,13 @@ def lowgrad_rank(comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                     end.record(stream)
                     comm.wait(end)
                     times.append(start.elapsed_ms(end))
-                rows.append({"op": op, "dtype": dname, "bytes": t.nbytes, "ms": statistics.median(times)})
+                t0 = time.perf_counter()
+                for _ in range(cfg["iters"]):
+                    call()
+                host_us = (time.perf_counter() - t0) / cfg["iters"] * 1e6
+                comm.wait(stream)
+                rows.append({"op": op, "dtype": dname, "bytes": t.nbytes, "ms": statistics.median(times),
+                             "host_us": host_us})
         buf.close()
     return rows
 
@@ -134,7 +146,13 @@ def torch_rank(rank: int, cfg: dict[str, Any], init_file: str, queue: Any) -> No
                         e.record()
                         e.synchronize()
                         times.append(s.elapsed_time(e))
-                    rows.append({"op": op, "dtype": dname, "bytes": n * itemsize, "ms": statistics.median(times)})
+                    t0 = time.perf_counter()
+                    for _ in range(cfg["iters"]):
+                        call()
+                    host_us = (time.perf_counter() - t0) / cfg["iters"] * 1e6
+                    torch.cuda.synchronize()
+                    rows.append({"op": op, "dtype": dname, "bytes": n * itemsize, "ms": statistics.median(times),
+                                 "host_us": host_us})
             del a, b
         dist.destroy_process_group()
         if rank == 0:
@@ -180,24 +198,25 @@ def merge(ours: list[dict[str, Any]], theirs: list[dict[str, Any]] | None, world
     out = []
     for r in ours:
         row = {"op": r["op"], "dtype": r["dtype"], "bytes": r["bytes"], "world": world, "lowgrad_ms": r["ms"],
-               "lowgrad_algbw_GBps": r["algbw_GBps"], "lowgrad_busbw_GBps": r["busbw_GBps"]}
+               "lowgrad_algbw_GBps": r["algbw_GBps"], "lowgrad_busbw_GBps": r["busbw_GBps"],
+               "lowgrad_host_us": r["host_us"]}
         t = index.get((r["op"], r["dtype"], r["bytes"]))
         if t is not None:
             row.update(torch_ms=t["ms"], torch_algbw_GBps=t["algbw_GBps"], torch_busbw_GBps=t["busbw_GBps"],
-                       ratio=t["ms"] / r["ms"])
+                       torch_host_us=t["host_us"], ratio=t["ms"] / r["ms"])
         out.append(row)
     return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'op':<15}{'dtype':<6}{'bytes':>12}{'ms':>10}{'algbw':>9}{'busbw':>9}"
-            f"{'torch ms':>10}{'t.busbw':>9}{'ratio':>7}")
+    head = (f"{'op':<15}{'dtype':<6}{'bytes':>12}{'ms':>10}{'algbw':>9}{'busbw':>9}{'host us':>9}"
+            f"{'torch ms':>10}{'t.busbw':>9}{'t.host':>8}{'ratio':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         line = (f"{r['op']:<15}{r['dtype']:<6}{r['bytes']:>12}{r['lowgrad_ms']:>10.3f}"
-                f"{r['lowgrad_algbw_GBps']:>9.1f}{r['lowgrad_busbw_GBps']:>9.1f}")
+                f"{r['lowgrad_algbw_GBps']:>9.1f}{r['lowgrad_busbw_GBps']:>9.1f}{r['lowgrad_host_us']:>9.1f}")
         if "torch_ms" in r:
-            line += f"{r['torch_ms']:>10.3f}{r['torch_busbw_GBps']:>9.1f}{r['ratio']:>7.2f}"
+            line += f"{r['torch_ms']:>10.3f}{r['torch_busbw_GBps']:>9.1f}{r['torch_host_us']:>8.1f}{r['ratio']:>7.2f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -215,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (default: all visible)")
     ap.add_argument("--timeout", type=float, default=300.0, help="communicator timeout in seconds")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.distributed peer")
+    ap.add_argument("--mode", choices=("blocking", "nonblocking"),
+                    help="lowgrad's NCCL mode (default: LOWGRAD_NCCL_BLOCKING, blocking when unset)")
     ap.add_argument("--json", metavar="PATH", help=output_help("nccl_bench.json"))
     args = ap.parse_args(argv)
 
@@ -229,12 +250,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import lowgrad as lg
     from lowgrad.cuda import nccl
+    from lowgrad.cuda.communicator import BLOCKING_ENV, blocking_mode
 
+    if args.mode is not None:  # the communicators run_threads makes read it
+        os.environ[BLOCKING_ENV] = "1" if args.mode == "blocking" else "0"
+    mode = "blocking" if blocking_mode() else "nonblocking"
     require_cuda(max(1, args.world))
     world = args.world or lg.device_count()
     cfg = {"world": world, "ops": ops, "dtypes": dtypes, "sizes": sizes(args.min_bytes, args.max_bytes, args.factor),
            "warmup": args.warmup, "iters": args.iters, "timeout": args.timeout}
-    print(f"lowgrad NCCL bench: world {world}, NCCL {'.'.join(map(str, nccl.version()))} ({nccl.library_path()})")
+    print(f"lowgrad NCCL bench: world {world}, {mode} mode, NCCL {'.'.join(map(str, nccl.version()))} "
+          f"({nccl.library_path()})")
     ours = run_lowgrad(cfg)
     theirs: list[dict[str, Any]] | None = None
     torch_note = "skipped (--no-torch)" if args.no_torch else "not installed"
@@ -248,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"torch peer: {torch_note}; ratio = torch ms / lowgrad ms (= lowgrad busbw / torch busbw)")
     with open(args.json, "w") as f:
-        json.dump({"world": world, "nccl": nccl.version(), "nccl_library": nccl.library_path(),
+        json.dump({"world": world, "mode": mode, "nccl": nccl.version(), "nccl_library": nccl.library_path(),
                    "torch": torch_note, "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
     return 0

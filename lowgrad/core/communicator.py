@@ -297,14 +297,15 @@ class CommBase(ABC):
         their new ranks in the order of (``key``, rank here); ``key`` defaults to this rank (the
         parent's order). ``color``: an int in ``[0, 2**31)``; ``key``: an int in
         ``[-2**31, 2**31)``; TypeError/ValueError before anything happens. The new communicator
-        is independent of this one (its own ``close``/``abort``; an abort here does not reach it),
-        with this one's timeout."""
+        has its own ``close`` and this one's timeout; an abort of this one (a failed rank's, the
+        watchdog's, :meth:`abort`) aborts it too, so a failure reaches every communicator split
+        from the one it aborted."""
         color, key = check_split(self, color, key)
         return self._split(color, key)
 
+    @abstractmethod
     def _split(self, color: int, key: int) -> CommBase:
         """Backend hook of :meth:`split`, its arguments checked."""
-        raise NotImplementedError(f"{type(self).__name__} cannot split yet")
 
     # ---- written once on the backend primitives ----------------------------------------
     def all_to_all_skip(self) -> int:

@@ -1,11 +1,29 @@
 """The NCCL communicator of the CUDA backend.
 
-A :class:`Communicator` is created non-blocking (``ncclCommInitRankConfig`` with
-``blocking=0``) and polled with a timeout. Every collective is asynchronous: it queues NCCL
-work on the given stream (``None``: the device's default stream, the CUDA legacy stream;
-inside :meth:`Communicator.group`: the group's stream) and returns. :meth:`Communicator.wait`
-blocks on an event or stream while watching ``ncclCommGetAsyncError``: an asynchronous error
-or a timeout aborts the communicator and raises, never hangs.
+Two modes, chosen per communicator (``blocking=``; default: ``LOWGRAD_NCCL_BLOCKING``, ``1``
+when unset):
+
+- **blocking** (the default, as PyTorch's ProcessGroupNCCL): NCCL calls return once their work
+  is queued, with no thread and no poll per call. NCCL's ``ncclGroupEnd`` hands every launch
+  that involves a peer of a *non-blocking* communicator to a new thread and returns
+  ``ncclInProgress``, which the caller must then poll: a thread creation and a sleeping poll per
+  collective at world >= 2. Instead a :class:`~lowgrad.core.watchdog.Watchdog` thread per
+  communicator bounds what the issuing thread no longer watches: the work each call queued (a
+  CUDA event recorded after it, from a ring made once; at world 1 no peer can leave a call
+  unfinished, so none is recorded), a call blocked in the host (NCCL's lazy connection setup at
+  the first call with a peer), ``ncclCommGetAsyncError`` and the ``abort_event``. When ``timeout``
+  passes, it calls ``ncclCommAbort`` (which also ends a call stuck in the host) and every later
+  call raises its reason. Initialisation stays bounded by ``timeout``: the communicator is made
+  non-blocking and polled, then split (``ncclCommSplit``) into the blocking one it uses.
+- **non-blocking** (``blocking=False``, ``LOWGRAD_NCCL_BLOCKING=0``): every call that returns
+  ``ncclInProgress`` is polled until NCCL has taken it (sleeps from 20 us, doubling), in the
+  calling thread; no watchdog. Kept for the A/B against the blocking mode.
+
+Every collective is asynchronous: it queues NCCL work on the given stream (``None``: the device's
+default stream, the CUDA legacy stream; inside :meth:`Communicator.group`: the group's stream)
+and returns. :meth:`Communicator.wait` blocks on an event or stream while watching
+``ncclCommGetAsyncError``: an asynchronous error or a timeout aborts the communicator and
+raises, never hangs.
 
 Memory: tensors must be CUDA device memory (``kind="device"``) on the communicator's device.
 NCCL's handling of mapped pinned host memory differs across versions and transports (copy
@@ -13,7 +31,7 @@ engine collectives, registration, NVLS), so pinned/write-combined tensors raise
 ``ValueError("NCCL needs device memory here")``; stage them through a device buffer.
 
 Ranks must agree on calls, dtypes and sizes; NCCL cannot check this across ranks (a mismatch
-hangs until a ``wait`` times out). The host backend checks it.
+hangs until the watchdog or a ``wait`` times out). The host backend checks it.
 
 A rank that leaves (:meth:`Communicator.close`) cannot tell its peers: NCCL has no side channel
 for it. A peer still waiting for a collective the departed rank never issued raises
@@ -24,48 +42,74 @@ that bound: use it only when something else watches the job.
 """
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 from lowgrad.core import capture, release
 from lowgrad.core.communicator import Group, all_to_all_schedule
 from lowgrad.core.dtypes import byte, fp8_e4m3
 from lowgrad.core.errors import CommAbortedError, NcclError
-from lowgrad.core.streams import StreamLike
+from lowgrad.core.streams import StreamLike, stream_handle
 from lowgrad.core.tensor import Tensor
 from lowgrad.core.threads import AbortEvent
+from lowgrad.core.watchdog import Watchdog
 from lowgrad.cuda import nccl
 from lowgrad.cuda.gpu_comm import GpuCommBase
+
+BLOCKING_ENV = "LOWGRAD_NCCL_BLOCKING"
+_RING = 256  # events per communicator: calls whose completion the watchdog can tell apart
+# seconds an abort waits for the communicator's lock: a call holding it longer is blocked in the
+# host inside NCCL (connection setup), and only ncclCommAbort, which cannot wait for it, ends it
+_LOCK_WAIT = 0.2
+
+
+def blocking_mode(blocking: Any = None) -> bool:
+    """``blocking`` (a bool), or with None ``LOWGRAD_NCCL_BLOCKING``: ``1`` (also when unset) or
+    ``0``; anything else is a ValueError (a TypeError for a non-bool argument)."""
+    if blocking is None:
+        env = os.environ.get(BLOCKING_ENV, "").strip()
+        if env not in ("", "0", "1"):
+            raise ValueError(f"{BLOCKING_ENV} must be 1 (blocking NCCL calls and a watchdog) or 0 (non-blocking, "
+                             f"polled), got {env!r}")
+        return env != "0"
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be True, False or None ({BLOCKING_ENV}), got {blocking!r}")
+    return blocking
 
 
 class Communicator(GpuCommBase):
     """Rank ``rank`` of ``world`` on ``device`` (a :class:`lowgrad.Device`), joined by every rank
     passing the same 128-byte ``unique_id`` (:func:`lowgrad.cuda.nccl.unique_id` on one rank).
 
-    ``timeout`` (seconds, ``inf`` for no limit) bounds initialisation, the polling of in-progress NCCL calls and
-    :meth:`wait`. Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a
-    pending initialisation or wait (``run_threads`` uses it when another rank fails; an
+    ``timeout`` (seconds, ``inf`` for no limit) bounds initialisation, every call's work (the
+    watchdog; in non-blocking mode the polling of in-progress NCCL calls) and :meth:`wait`.
+    Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a pending
+    initialisation or wait (``run_threads`` uses it when another rank fails; an
     :class:`~lowgrad.core.threads.AbortEvent` also gives the reason every later call raises).
+    ``blocking``: see the module docstring (None: ``LOWGRAD_NCCL_BLOCKING``, blocking when unset).
     """
 
     def __init__(self, rank: int, world: int, unique_id: bytes, device: Any, timeout: float | None = None,
-                 abort_event: threading.Event | None = None) -> None:
+                 abort_event: threading.Event | None = None, blocking: bool | None = None) -> None:
         if getattr(device, "backend", None) != "cuda":
             raise TypeError(f"Communicator needs a CUDA lowgrad.Device, got {device!r} (use HostCommunicator "
                             "for the host backend)")
+        mode = blocking_mode(blocking)
         self._init_base(rank, world, device, timeout)
         if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != nccl.UNIQUE_ID_BYTES:
             raise ValueError(f"unique_id must be {nccl.UNIQUE_ID_BYTES} bytes (lowgrad.cuda.nccl.unique_id())")
         nccl.lib()
-        self._lock = threading.Lock()
-        self._abort_event = abort_event
-        self._fp8 = nccl.version() >= (2, 24, 0)
-        self._tmp: dict[str, Tensor] = {}
+        self._prepare(abort_event, mode)
         device.activate()
-        self.handle, rc = nccl.comm_init_rank(world, bytes(unique_id), rank, blocking=False)
-        self._finalizer = release.Finalizer(self, _abort_handle, self.handle)  # GC: queued, not run
+        # always made non-blocking: only a polled initialisation is bounded by the timeout (a
+        # blocking one gives no handle to abort until it returns)
+        handle, rc = nccl.comm_init_rank(world, bytes(unique_id), rank, blocking=False)
+        self._adopt(handle)
         try:
             self._settle("ncclCommInitRankConfig", rc, self.timeout)
         except NcclError as exc:
@@ -74,6 +118,101 @@ class Communicator(GpuCommBase):
             raise NcclError(exc.call, exc.code, exc.name, exc.message + "; NCCL runs one rank per GPU: for several "
                             "ranks on one GPU use lowgrad.run_threads(..., share_gpu=True) (one process, the "
                             "loopback communicator)", exc.last_error) from None
+        if mode:
+            try:
+                self._become_blocking()
+            except BaseException:
+                self.abort()
+                raise
+
+    def _prepare(self, abort_event: threading.Event | None, blocking: bool) -> None:
+        """The state every communicator (made or split) starts with, before its handle."""
+        self.blocking = blocking
+        self._lock = threading.Lock()
+        self._abort_event = abort_event
+        self._fp8 = nccl.version() >= (2, 24, 0)
+        self._tmp: dict[str, Tensor] = {}
+        self._wd: Watchdog | None = None
+        self._watch_streams = False
+        self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()  # what split made: aborted with it
+
+    def _adopt(self, handle: int) -> None:
+        """Own ``handle`` (its release is queued when the communicator is collected unclosed)."""
+        with self._lock:
+            old = getattr(self, "_finalizer", None)
+            self.handle = handle
+            self._finalizer = release.Finalizer(self, _release, handle, self._wd)
+        if old is not None:
+            old.detach()
+
+    def _start_watchdog(self) -> None:
+        """The watchdog thread (blocking mode); it holds the communicator only weakly."""
+        self._watch_streams = self.world > 1  # at world 1 no peer can leave a call's work unfinished
+        markers = [self.device.event(name=f"nccl_watch{i}") for i in range(_RING if self._watch_streams else 1)]
+        ref = weakref.ref(self)
+        self._wd = Watchdog(f"NCCL communicator rank {self.rank} of {self.world}", self.timeout, markers,
+                            partial(_health_of, ref), partial(_abort_of, ref))
+        with self._lock:
+            self._finalizer.detach()
+            self._finalizer = release.Finalizer(self, _release, self.handle, self._wd)
+
+    def _become_blocking(self) -> None:
+        """Replace the non-blocking handle by a blocking split of it (every rank, same color);
+        the watchdog bounds the split, which blocks the host until every rank has called it."""
+        self._start_watchdog()
+        parent = self.handle
+        child = self._split_handle(0, self.rank)
+        self._adopt(child)
+        self._retire(parent)
+
+    def _split_handle(self, color: int, key: int) -> int:
+        """``ncclCommSplit`` of this communicator into a child of this mode, settled (a
+        non-blocking child is polled; a blocking split is bounded by the watchdog)."""
+        with self._lock:
+            self._live("split")
+            self._enter()
+            try:
+                handle, rc = nccl.comm_split(self.handle, color, key, self.blocking)
+            except NcclError as exc:
+                self._leave(None)
+                raise self._why(exc) from None
+            self._leave(None)
+        if rc == nccl.IN_PROGRESS:
+            try:
+                self._poll("ncclCommSplit", self.timeout, partial(_settled, "ncclCommSplit", handle))
+            except BaseException:
+                nccl.comm_abort(handle)
+                raise
+        return handle
+
+    def _retire(self, handle: int) -> None:
+        """Finalize and destroy the non-blocking ``handle`` this communicator was split from (it
+        has no work left); aborted when that fails or takes longer than the timeout."""
+        try:
+            rc = nccl.comm_finalize(handle)
+            if rc == nccl.IN_PROGRESS:
+                self._poll("ncclCommFinalize", self.timeout, partial(_settled, "ncclCommFinalize", handle))
+        except BaseException:
+            nccl.comm_abort(handle)
+            raise
+        nccl.comm_destroy(handle)
+
+    def _split(self, color: int, key: int) -> Communicator:
+        """:meth:`CommBase.split` on NCCL (arguments checked there): ``ncclCommSplit``. The
+        child has this device, timeout, mode and ``abort_event``, its own watchdog, and is closed
+        independently of this one; an abort of this one aborts it too."""
+        capture.forbid("Communicator.split")
+        self.device.activate()
+        child = Communicator.__new__(Communicator)
+        child._init_base(0, 1, self.device, self.timeout)
+        child._prepare(self._abort_event, self.blocking)
+        handle = self._split_handle(color, key)
+        child._adopt(handle)
+        child.rank, child.world = nccl.comm_rank_world(handle)
+        if child.blocking:
+            child._start_watchdog()
+        self._children.add(child)
+        return child
 
     # ---- plumbing ----------------------------------------------------------------------
     def _check_memory(self, call: str, t: Tensor) -> None:
@@ -109,7 +248,28 @@ class Communicator(GpuCommBase):
     def _failure(self) -> Exception | None:
         ev = self._abort_event
         reason = ev.reason if isinstance(ev, AbortEvent) else None
-        return None if reason is None else CommAbortedError(reason)
+        if reason is not None:
+            return CommAbortedError(reason)
+        wd = self._wd
+        return None if wd is None else wd.error()
+
+    def _enter(self) -> None:
+        """A call that may block the host begins (blocking mode: the watchdog bounds it)."""
+        wd = self._wd
+        if wd is not None:
+            wd.enter()
+
+    def _leave(self, stream: int | None) -> None:
+        """The call returned; its work was queued on ``stream`` (None: nothing to watch; inside a
+        group nothing is queued until the group ends; a call captured into a CUDA graph runs at
+        its replays, which the marker would not follow: :meth:`wait` bounds those)."""
+        wd = self._wd
+        if wd is not None:
+            wd.leave(stream if self._watch_streams and self._group is None and not capture.active[0] else None)
+
+    def _why(self, exc: NcclError) -> Exception:
+        """What a failed NCCL call raises: the watchdog's reason when it aborted the call."""
+        return self._failure() or exc if self._state == "aborted" else exc
 
     def _check_abort_event(self, call: str) -> None:
         if self._abort_event is not None and self._abort_event.is_set():
@@ -132,8 +292,14 @@ class Communicator(GpuCommBase):
         p = t.ptr
         with self._lock:
             self._live("reduce_scatter")
-            rc = nccl.reduce_scatter(p, p + self.rank * count * t.dtype.itemsize, count, t.dtype.nccl, code,
-                                     self.handle, h)
+            self._enter()
+            try:
+                rc = nccl.reduce_scatter(p, p + self.rank * count * t.dtype.itemsize, count, t.dtype.nccl, code,
+                                         self.handle, h)
+            except NcclError as exc:
+                self._leave(None)
+                raise self._why(exc) from None
+            self._leave(h)
         self._issue("ncclReduceScatter", rc)
 
     def all_gather(self, t: Tensor, out: Tensor | None = None, stream: StreamLike = None) -> None:
@@ -143,7 +309,13 @@ class Communicator(GpuCommBase):
         h = self._stream(stream)
         with self._lock:
             self._live("all_gather")
-            rc = nccl.all_gather(shard.ptr, full.ptr, shard.numel, t.dtype.nccl, self.handle, h)
+            self._enter()
+            try:
+                rc = nccl.all_gather(shard.ptr, full.ptr, shard.numel, t.dtype.nccl, self.handle, h)
+            except NcclError as exc:
+                self._leave(None)
+                raise self._why(exc) from None
+            self._leave(h)
         self._issue("ncclAllGather", rc)
 
     def all_reduce(self, t: Tensor, op: str = "sum", stream: StreamLike = None) -> None:
@@ -153,7 +325,13 @@ class Communicator(GpuCommBase):
         p = t.ptr
         with self._lock:
             self._live("all_reduce")
-            rc = nccl.all_reduce(p, p, t.numel, t.dtype.nccl, code, self.handle, h)
+            self._enter()
+            try:
+                rc = nccl.all_reduce(p, p, t.numel, t.dtype.nccl, code, self.handle, h)
+            except NcclError as exc:
+                self._leave(None)
+                raise self._why(exc) from None
+            self._leave(h)
         self._issue("ncclAllReduce", rc)
 
     def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
@@ -172,7 +350,13 @@ class Communicator(GpuCommBase):
         h = self._stream(stream)
         with self._lock:
             self._live(call)
-            rc = fn(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
+            self._enter()
+            try:
+                rc = fn(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
+            except NcclError as exc:
+                self._leave(None)
+                raise self._why(exc) from None
+            self._leave(h)
         self._issue(nccl_call, rc)
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
@@ -189,7 +373,7 @@ class Communicator(GpuCommBase):
                         nccl.send(base + send_slot * nbytes, n, dt, send_peer, self.handle, h)
                         nccl.recv(base + recv_slot * nbytes, n, dt, recv_peer, self.handle, h)
                 finally:
-                    rc = nccl.group_end()
+                    rc = self._launch_group(h)
             if rc:
                 self._settle("ncclGroupEnd", rc, self.timeout)
 
@@ -204,9 +388,20 @@ class Communicator(GpuCommBase):
 
     def _group_close(self, g: Group, failed: bool) -> None:
         with self._lock:
-            rc = nccl.group_end()
+            rc = self._launch_group(None if failed else stream_handle(g.stream))
         if not failed:
             self._settle("ncclGroupEnd", rc, self.timeout)
+
+    def _launch_group(self, stream: int | None) -> int:
+        """``ncclGroupEnd`` under the lock, watched (its work queued on ``stream``; None: none)."""
+        self._enter()
+        try:
+            rc = nccl.group_end()
+        except NcclError as exc:
+            self._leave(None)
+            raise self._why(exc) from None
+        self._leave(stream)
+        return rc
 
     # ---- host-side helpers (blocking) --------------------------------------------------
     def _scratch(self, name: str, nbytes: int) -> Tensor:
@@ -241,31 +436,60 @@ class Communicator(GpuCommBase):
 
     def abort(self) -> None:
         """``ncclCommAbort`` (safe from any thread; idempotent): outstanding NCCL work stops,
-        later calls and pending waits raise CommAbortedError. NCCL frees the communicator's
-        device memory, which waits for work queued on the device's other streams."""
-        with self._lock:  # after this no thread touches the handle again
+        later calls and pending waits raise CommAbortedError (the watchdog's reason when it was
+        the watchdog). A call blocked in the host inside NCCL returns. NCCL frees the
+        communicator's device memory, which waits for work queued on the device's other streams."""
+        self._abort()
+        self._free_scratch()
+        self._stop_watchdog()
+
+    def _abort(self) -> None:
+        """Abort the handle; the lock is waited for only briefly: a call that holds it longer is
+        blocked inside NCCL, and the abort is what ends it (NCCL's abort flag)."""
+        locked = self._lock.acquire(timeout=_LOCK_WAIT)
+        try:
             if self._state != "open":
                 return
-            self._state = "aborted"
+            self._state = "aborted"  # after this no thread starts a call on the handle
+        finally:
+            if locked:
+                self._lock.release()
         self._finalizer()
-        self._free_scratch()
+        for child in list(self._children):  # what was split from it: every backend aborts it too
+            child._abort()
 
     def close(self) -> None:
         """Finalize and destroy the communicator after its queued work (bounded by ``timeout``;
-        on timeout it is aborted). Idempotent. Peers are not told (see the module docstring)."""
-        if self._state != "open":
-            return
-        self._free_scratch()
-        self.device.activate()
-        with self._lock:
-            rc = nccl.comm_finalize(self.handle)
-        self._settle("ncclCommFinalize", rc, self.timeout)
-        with self._lock:
+        on timeout it is aborted), and end its watchdog. Idempotent. Peers are not told (see the
+        module docstring)."""
+        try:
             if self._state != "open":
                 return
-            self._state = "closed"
-            self._finalizer.detach()
-            nccl.comm_destroy(self.handle)
+            self._free_scratch()
+            self.device.activate()
+            with self._lock:
+                self._enter()
+                try:
+                    rc = nccl.comm_finalize(self.handle)
+                except NcclError as exc:
+                    self._leave(None)
+                    raise self._why(exc) from None
+                self._leave(None)
+            self._settle("ncclCommFinalize", rc, self.timeout)
+            with self._lock:
+                if self._state != "open":
+                    return
+                self._state = "closed"
+                self._finalizer.detach()
+                nccl.comm_destroy(self.handle)
+        finally:
+            self._free_scratch()
+            self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        wd = self._wd
+        if wd is not None:
+            wd.close()
 
     def _free_scratch(self) -> None:
         for t in self._tmp.values():
@@ -273,5 +497,48 @@ class Communicator(GpuCommBase):
         self._tmp.clear()
 
 
-def _abort_handle(handle: int) -> None:
+def _release(handle: int, wd: Watchdog | None) -> None:
+    """The handle's release (explicit abort, or queued when the communicator is collected):
+    ``ncclCommAbort``; the watchdog's thread is told to end, never waited for."""
+    if wd is not None:
+        wd.stop()
     nccl.comm_abort(handle)
+
+
+def _settled(call: str, handle: int) -> bool:
+    """One poll of a handle no communicator uses yet (a split child, the retired parent)."""
+    state = nccl.comm_get_async_error(handle)
+    if state not in (nccl.SUCCESS, nccl.IN_PROGRESS):
+        raise nccl.error(call, state, handle)
+    return state == nccl.SUCCESS
+
+
+# ---- the watchdog's view of a communicator (weak: a communicator collected unclosed ends it) --
+def _health_of(ref: weakref.ref[Communicator]) -> Exception | None:
+    """One look from the watchdog's thread: the abort event, NCCL's asynchronous error."""
+    comm = ref()
+    if comm is None:
+        return None
+    comm.device.activate()  # the events the watchdog queries belong to the device's context
+    ev = comm._abort_event
+    if ev is not None and ev.is_set():
+        return comm._failure() or CommAbortedError(f"communicator rank {comm.rank} aborted (another rank failed)")
+    if not comm._lock.acquire(blocking=False):
+        return None  # a call is inside NCCL: next round (one blocked there is the host bracket's)
+    try:
+        if comm._state != "open":
+            return None
+        state = nccl.comm_get_async_error(comm.handle)
+        if state in (nccl.SUCCESS, nccl.IN_PROGRESS):
+            return None
+        return nccl.error("ncclCommGetAsyncError", state, comm.handle)
+    finally:
+        comm._lock.release()
+
+
+def _abort_of(ref: weakref.ref[Communicator], _exc: Exception) -> None:
+    """The watchdog's abort: the handle only (the scratch buffers go at close or collection: a
+    free here would race the issuing thread's use of them)."""
+    comm = ref()
+    if comm is not None:
+        comm._abort()

@@ -62,7 +62,11 @@ _PROTOTYPES = {
     "ncclGetErrorString": None,  # special: returns const char*
     "ncclGetLastError": None,
     "ncclCommInitRankConfig": (POINTER(c_void_p), c_int, _UniqueId, c_int, POINTER(_Config)),
+    # comm, color, key, newcomm, config (NCCL >= 2.18)
+    "ncclCommSplit": (c_void_p, c_int, c_int, POINTER(c_void_p), POINTER(_Config)),
     "ncclCommGetAsyncError": (c_void_p, POINTER(c_int)),
+    "ncclCommCount": (c_void_p, POINTER(c_int)),
+    "ncclCommUserRank": (c_void_p, POINTER(c_int)),
     "ncclCommAbort": (c_void_p,),
     "ncclCommFinalize": (c_void_p,),
     "ncclCommDestroy": (c_void_p,),
@@ -218,9 +222,7 @@ def comm_init_rank(world: int, uid: bytes, rank: int, blocking: bool = False) ->
     thread's current CUDA context selects the device."""
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"unique id must be {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
-    cfg = _Config(size=_CONFIG_SIZE, magic=_API_MAGIC, version=_CONFIG_VERSION, blocking=int(blocking),
-                  cgaClusterSize=_UNDEF_INT, minCTAs=_UNDEF_INT, maxCTAs=_UNDEF_INT, netName=None,
-                  splitShare=_UNDEF_INT)
+    cfg = _config(blocking)
     ident = _UniqueId.from_buffer_copy(uid)
     handle = c_void_p()
     rc = lib().ncclCommInitRankConfig(byref(handle), world, ident, rank, byref(cfg))
@@ -228,11 +230,40 @@ def comm_init_rank(world: int, uid: bytes, rank: int, blocking: bool = False) ->
     return handle.value or 0, rc
 
 
+def comm_split(comm: int, color: int, key: int, blocking: bool) -> tuple[int, int]:
+    """``ncclCommSplit``: collective over every rank of ``comm``; ranks of equal ``color`` (>= 0)
+    form a new communicator ranked by ``key`` (ties: the parent's rank), with its own resources
+    (``splitShare`` 0) and ``blocking`` mode. Returns ``(handle, rc)``; with rc == IN_PROGRESS (a
+    non-blocking child) poll :func:`comm_get_async_error` on the new handle. A blocking split
+    blocks the host until every rank has called it; ``ncclCommAbort`` of the parent ends it."""
+    cfg = _config(blocking)
+    cfg.splitShare = 0
+    handle = c_void_p()
+    rc = lib().ncclCommSplit(comm, color, key, byref(handle), byref(cfg))
+    check("ncclCommSplit", rc, comm)
+    return handle.value or 0, rc
+
+
+def _config(blocking: bool) -> _Config:
+    """An ``ncclConfig_t`` with NCCL's defaults but ``blocking``."""
+    return _Config(size=_CONFIG_SIZE, magic=_API_MAGIC, version=_CONFIG_VERSION, blocking=int(blocking),
+                   cgaClusterSize=_UNDEF_INT, minCTAs=_UNDEF_INT, maxCTAs=_UNDEF_INT, netName=None,
+                   splitShare=_UNDEF_INT)
+
+
 def comm_get_async_error(comm: int) -> int:
     """The communicator's asynchronous state: 0 done/healthy, IN_PROGRESS, or an error code."""
     state = c_int()
     check("ncclCommGetAsyncError", lib().ncclCommGetAsyncError(comm, byref(state)), comm)
     return state.value
+
+
+def comm_rank_world(comm: int) -> tuple[int, int]:
+    """(rank, world) of an initialised communicator (``ncclCommUserRank``, ``ncclCommCount``)."""
+    rank, world = c_int(), c_int()
+    check("ncclCommUserRank", lib().ncclCommUserRank(comm, byref(rank)), comm)
+    check("ncclCommCount", lib().ncclCommCount(comm, byref(world)), comm)
+    return rank.value, world.value
 
 
 def comm_abort(comm: int) -> None:

@@ -1,0 +1,322 @@
+"""The NCCL communicator's blocking mode on the CPU: the real ``Communicator`` and ``Watchdog``
+against a stand-in of the NCCL binding (``lowgrad.cuda.nccl``'s functions) and a device whose
+events complete only when the test (or an abort, as NCCL's kernels exit) says so. What it checks
+is lowgrad's logic around NCCL: a collective that never completes or a call stuck in the host
+is aborted within the timeout and its reason reaches every later call and wait; an asynchronous
+error and run_threads' AbortEvent surface; nothing completed is aborted; no thread is left. What
+NCCL itself does (that ncclCommAbort ends a call blocked in the host) is the GPU tests' part
+(tests/test_cuda_communicator_faults_gpu.py)."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import watchdog_threads
+
+import lowgrad as lg
+from lowgrad.core import release
+from lowgrad.core.errors import NcclError
+from lowgrad.core.threads import AbortEvent
+from lowgrad.cuda import communicator as cuda_comm
+from lowgrad.host.device import HostDevice
+
+TIMEOUT = 0.5
+MARGIN = 0.5  # the watchdog's round (<= 50 ms) and a loaded 2-core machine
+
+
+class Event:
+    """A CUDA event's stand-in: incomplete from its record until the fake NCCL completes it."""
+
+    def __init__(self, nccl: FakeNccl) -> None:
+        self.nccl, self.done = nccl, True
+        nccl.events.append(self)
+
+    def record(self, stream: Any = None) -> Event:
+        self.done = self.nccl.completes
+        self.nccl.records += 1
+        return self
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Device(HostDevice):
+    """The host device, seen by the communicator as a CUDA one, with stand-in events."""
+
+    backend = "cuda"
+
+    def __init__(self, nccl: FakeNccl) -> None:
+        super().__init__("fake-gpu")
+        self.nccl = nccl
+
+    def event(self, timing: bool = False, name: str = "") -> Any:
+        return Event(self.nccl)
+
+
+class FakeNccl:
+    """What lowgrad.cuda.communicator calls of lowgrad.cuda.nccl, with knobs."""
+
+    SUCCESS, IN_PROGRESS, UNIQUE_ID_BYTES = 0, 7, 128
+
+    def __init__(self, world: int = 2, rank: int = 0) -> None:
+        self.world, self.rank = world, rank
+        self.completes = True  # the device work of each call completes at once
+        self.block_host = False  # the next collective blocks the host until an abort
+        self.async_error = 0
+        self.events: list[Event] = []
+        self.records = 0
+        self.calls: list[tuple[str, Any]] = []
+        self.aborted: set[int] = set()
+        self.abort_flag = threading.Event()
+        self._next = 100
+        self.lock = threading.Lock()
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    # the binding's surface
+    def lib(self) -> None:
+        return None
+
+    def version(self) -> tuple[int, int, int]:
+        return (2, 28, 9)
+
+    def error(self, call: str, code: int, comm: int | None = None) -> NcclError:
+        return NcclError(call, code, f"code{code}", "stand-in error", "")
+
+    def comm_init_rank(self, world: int, uid: bytes, rank: int, blocking: bool = False) -> tuple[int, int]:
+        h = self._handle()
+        self.calls.append(("init", (h, blocking)))
+        return h, self.IN_PROGRESS
+
+    def comm_split(self, comm: int, color: int, key: int, blocking: bool) -> tuple[int, int]:
+        h = self._handle()
+        self.calls.append(("split", (comm, h, color, key, blocking)))
+        return h, 0 if blocking else self.IN_PROGRESS
+
+    def comm_rank_world(self, comm: int) -> tuple[int, int]:
+        return self.rank, self.world
+
+    def comm_get_async_error(self, comm: int) -> int:
+        return self.async_error
+
+    def comm_finalize(self, comm: int) -> int:
+        self.calls.append(("finalize", comm))
+        return 0
+
+    def comm_destroy(self, comm: int) -> None:
+        self.calls.append(("destroy", comm))
+
+    def comm_abort(self, comm: int) -> None:
+        self.calls.append(("abort", comm))
+        self.aborted.add(comm)
+        self.abort_flag.set()
+        for e in self.events:  # NCCL's kernels exit
+            e.done = True
+
+    def group_start(self) -> None:
+        pass
+
+    def group_end(self) -> int:
+        return 0
+
+    def _collective(self, name: str, comm: int) -> int:
+        self.calls.append((name, comm))
+        if self.block_host:  # NCCL's lazy connection setup, waiting for a peer: only an abort ends it
+            self.block_host = False
+            if not self.abort_flag.wait(30):
+                raise AssertionError("the blocked call was never aborted")
+            raise NcclError(name, 3, "ncclInternalError", "aborted", "")
+        return 0
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> int:
+        return self._collective("ncclAllReduce", comm)
+
+    def reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> int:
+        return self._collective("ncclReduceScatter", comm)
+
+    def all_gather(self, send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> int:
+        return self._collective("ncclAllGather", comm)
+
+    def send(self, buf: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> int:
+        return self._collective("ncclSend", comm)
+
+    def recv(self, buf: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> int:
+        return self._collective("ncclRecv", comm)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeNccl:
+    f = FakeNccl()
+    monkeypatch.setattr(cuda_comm, "nccl", f)
+    return f
+
+
+def make(fake: FakeNccl, blocking: bool = True, world: int = 2, **kw: Any) -> tuple[Any, Device, Any]:
+    fake.world = world
+    dev = Device(fake)
+    comm = cuda_comm.Communicator(0, world, bytes(128), dev, timeout=TIMEOUT, blocking=blocking, **kw)
+    t = lg.from_numpy(np.ones(8, np.float32), dev, name="t")
+    return comm, dev, t
+
+
+def wait_until(cond: Any, limit: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, "condition not reached"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_blocking_init_splits_the_polled_communicator_and_retires_it(fake: FakeNccl) -> None:
+    comm, _, _ = make(fake)
+    (_, (parent, blocking)), (_, (comm_of, child, color, key, child_blocking)) = fake.calls[:2]
+    assert not blocking and comm_of == parent and child_blocking and (color, key) == (0, 0)
+    assert fake.calls[2:] == [("finalize", parent), ("destroy", parent)]
+    assert comm.handle == child and comm.blocking and len(watchdog_threads()) == 1
+    comm.close()
+    assert fake.calls[-2:] == [("finalize", child), ("destroy", child)] and not fake.aborted
+    assert not watchdog_threads()
+    comm.close()  # twice: nothing more
+    assert fake.calls[-1] == ("destroy", child)
+
+
+def test_nonblocking_mode_has_no_watchdog_and_polls(fake: FakeNccl) -> None:
+    comm, _, t = make(fake, blocking=False)
+    assert not watchdog_threads() and [c[0] for c in fake.calls] == ["init"]
+    comm.all_reduce(t)
+    comm.wait()
+    assert fake.records == 0
+    comm.close()
+
+
+def test_a_collective_that_never_completes_is_aborted_within_the_timeout(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    fake.completes = False  # a peer that never issues its half
+    t0 = time.monotonic()
+    comm.all_reduce(t)  # returns: the work is queued
+    assert fake.records == 1
+    wait_until(lambda: comm.aborted)
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + MARGIN
+    assert fake.aborted == {comm.handle}
+    for call in (lambda: comm.all_reduce(t), lambda: comm.wait(), comm.barrier):
+        with pytest.raises(lg.CommTimeoutError, match="has not completed within 0.5 s"):
+            call()
+    comm.close()
+    assert not watchdog_threads()
+
+
+def test_a_completed_collective_is_never_aborted(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    for _ in range(5):
+        comm.all_reduce(t)
+        comm.reduce_scatter(t)
+        with comm.group():
+            comm.send(t, 1)
+            comm.recv(t, 1)
+    time.sleep(TIMEOUT + MARGIN)
+    assert not comm.aborted and not fake.aborted
+    comm.all_reduce(t)
+    comm.close()
+    assert not fake.aborted
+
+
+def test_a_call_blocked_in_the_host_is_aborted_and_raises_the_reason(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    fake.block_host = True
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommTimeoutError, match="blocked the host for more than 0.5 s"):
+        comm.all_reduce(t)  # holds the communicator's lock while NCCL blocks: the abort cannot wait for it
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + MARGIN + cuda_comm._LOCK_WAIT
+    assert comm.aborted
+    with pytest.raises(lg.CommTimeoutError, match="blocked the host"):
+        comm.wait()
+    comm.close()
+    assert not watchdog_threads()
+
+
+def test_an_asynchronous_error_surfaces(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    fake.async_error = 6  # ncclRemoteError: a peer died
+    wait_until(lambda: comm.aborted, TIMEOUT + MARGIN)
+    with pytest.raises(NcclError, match="ncclCommGetAsyncError"):
+        comm.all_reduce(t)
+    comm.close()
+
+
+def test_the_abort_event_and_its_reason_reach_the_calls(fake: FakeNccl) -> None:
+    ev = AbortEvent()
+    comm, _, t = make(fake, abort_event=ev)
+    ev.abort("rank 1 failed: RuntimeError: boom; the communicator was aborted")
+    wait_until(lambda: comm.aborted, 1.0)
+    with pytest.raises(lg.CommAbortedError, match="^rank 1 failed: RuntimeError: boom"):
+        comm.all_reduce(t)
+    comm.close()
+
+
+def test_world_one_records_no_marker(fake: FakeNccl) -> None:
+    comm, _, t = make(fake, world=1)
+    fake.completes = False
+    for _ in range(3):
+        comm.all_reduce(t)
+    assert fake.records == 0
+    time.sleep(TIMEOUT + MARGIN)
+    assert not comm.aborted
+    comm.close()
+
+
+def test_abort_from_another_thread_ends_the_watchdog(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    threading.Thread(target=comm.abort).start()
+    wait_until(lambda: not watchdog_threads())
+    comm.abort()
+    with pytest.raises(lg.CommAbortedError):
+        comm.all_reduce(t)
+    comm.close()
+
+
+def test_split_makes_a_child_with_its_own_watchdog(fake: FakeNccl) -> None:
+    comm, dev, t = make(fake)
+    with pytest.raises(ValueError, match="color"):
+        comm.split(-1)
+    n = len(fake.calls)
+    fake.rank, fake.world = 0, 1
+    child = comm.split(5, key=3)
+    (_, (parent, h, color, key, blocking)), = fake.calls[n:]
+    assert (parent, color, key, blocking) == (comm.handle, 5, 3, True)
+    assert (child.handle, child.rank, child.world, child.device, child.timeout) == (h, 0, 1, dev, TIMEOUT)
+    assert len(watchdog_threads()) == 2
+    child.close()
+    assert len(watchdog_threads()) == 1 and not comm.closed
+    comm.all_reduce(t)
+    comm.close()
+    assert not watchdog_threads()
+
+
+def test_an_abort_of_the_parent_reaches_what_was_split_from_it(fake: FakeNccl) -> None:
+    """As on the host backend and the loopback: a failure that aborts a communicator aborts its
+    split children too (their handles, their watchdogs), whoever aborted it."""
+    comm, _, t = make(fake)
+    fake.rank, fake.world = 0, 1
+    child, other = comm.split(1), comm.split(2)
+    other.close()  # a closed child is left alone
+    comm.abort()
+    assert child.handle in fake.aborted and other.handle not in fake.aborted
+    with pytest.raises(lg.CommAbortedError):
+        child.all_reduce(t)
+    wait_until(lambda: not watchdog_threads())
+
+
+def test_a_communicator_collected_unclosed_ends_its_watchdog(fake: FakeNccl) -> None:
+    comm, _, _ = make(fake)
+    handle = comm.handle
+    del comm
+    gc.collect()
+    release.drain()  # the queued release: the watchdog is told to end, the handle aborted
+    assert handle in fake.aborted
+    wait_until(lambda: not watchdog_threads())
