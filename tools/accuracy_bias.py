@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import CannotRun, Parser, check_world, int_at_least, int_list, output_help, output_path, run
 
 import numpy as np
-
 from accuracy import BF16, MODES, accumulate, load_grads
+
 from lowgrad.sr.philox import sr_noise
 from lowgrad.sr.seedcounter import ld_shift
 from lowgrad.sr.seeds import use_seed
@@ -124,13 +124,20 @@ def candidate(inc: Increments, micro: int, n: int, scheme: str, seed: int = 1) -
         return sr_noise(use_seed(seed, 0, m, 0, 0, 0), 0, n).astype(np.uint32)
 
     u0 = noise(0)
+    # one bit per element and step from another Philox stream (the phase-1 seed): whether the
+    # element's LD sequence is reflected (r -> 2**16 - 1 - r) this step
+    flip = sr_noise(use_seed(seed, 0, 0, 0, 0, 1), 0, n) >= 1 << 15
     acc = np.zeros(n, np.float32)
     prev = u0
     for m in range(micro):
         s = acc + inc(m)
         ld = (u0 + np.uint32(ld_shift(m))) & np.uint32(0xFFFF)
-        if scheme == "ldsr_cross":  # fresh noise where the sum left the accumulator's binade upwards
+        if scheme in ("ldsr_reflect", "ldsr_reflect_cross"):
+            ld = np.where(flip, np.uint32(0xFFFF) - ld, ld)
+        if scheme in ("ldsr_cross", "ldsr_reflect_cross"):  # fresh noise where the sum left the binade upwards
             r = np.where(_exponent(s) > _exponent(acc), noise(m), ld)
+        elif scheme == "ldsr_reflect":
+            r = ld
         elif scheme == "ldsr_dither":  # the LD noise plus fresh noise of half the range
             r = (ld + (noise(m) >> np.uint32(1)) + np.uint32(0xC000)) & np.uint32(0xFFFF)
         elif scheme == "antithetic":  # micro-steps in pairs: fresh r, then 2**16 - 1 - r
@@ -142,7 +149,7 @@ def candidate(inc: Increments, micro: int, n: int, scheme: str, seed: int = 1) -
     return acc.astype(np.float64)
 
 
-CANDIDATES = ("ldsr_cross", "ldsr_dither", "antithetic")
+CANDIDATES = ("ldsr_cross", "ldsr_reflect", "ldsr_reflect_cross", "ldsr_dither", "antithetic")
 
 
 # ---- world 1 and world > 1 ----------------------------------------------------------------------
@@ -287,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for kind, micro, n, inc in cases(args, grads):
-        rows.append({"input": kind, "world": 1, "micro": micro, "n": n, "modes": measure(inc, micro, n, modes, args.seed)})
+        rows.append({"input": kind, "world": 1, "micro": micro, "n": n,
+                     "modes": measure(inc, micro, n, modes, args.seed)})
         print(table(rows[-1:], modes).splitlines()[-1], flush=True)
     if not args.issue_table:
         world_modes = [m for m in BF16_MODES if m in modes]
