@@ -86,7 +86,7 @@ def test_candidates_round_as_lowgrad() -> None:
 
 
 def test_world_rows_use_the_real_manager() -> None:
-    got = ab.measure_world(2, 4, "const0.3", 1, "all_to_all", ["sr", "rn"])
+    got = ab.measure_world(ab.aw.make_layout("small", 1), 2, 4, "const0.3", "all_to_all", ["sr", "rn"])
     assert ab.passes(got["sr"]) and not ab.passes(got["rn"])
     assert got["sr"]["n"] > 10_000
 
@@ -111,3 +111,13 @@ def test_tool_end_to_end(tmp_path: Path) -> None:
         with pytest.raises(SystemExit) as exc:
             ab.main(bad + ["--json", str(out)])
         assert exc.value.code == 2
+    # refused before anything is measured (the JSON of the run above stays as it was)
+    before = out.read_text()
+    with pytest.raises(ab.CannotRun, match="--worlds: world 5"):
+        ab.main(["--worlds", "5", "--json", str(out)])
+    with pytest.raises(ab.CannotRun, match="--grads"):
+        ab.main(["--grads", str(tmp_path / "missing.npy"), "--json", str(out)])
+    np.save(tmp_path / "flat.npy", np.ones(4, np.float32))
+    with pytest.raises(ab.CannotRun, match="shape"):
+        ab.main(["--grads", str(tmp_path / "flat.npy"), "--json", str(out)])
+    assert out.read_text() == before

@@ -20,8 +20,9 @@ Inputs (every micro-step's increment is the gradient over M, as a manager scales
 
 Element counts: ``--budget`` element-micro-steps per (input, M), at most ``--max-n`` elements and at
 least ``--min-n`` (defaults 2**25, 2**20, 2**14: 2**20 elements up to M = 32, 2**15 at 1024). The
-issue's table at 2**20 elements: ``--issue-table``. Candidate roundings (``--candidates``) are
-schemes measured in search of LD-SR's error without its bias, in numpy here only (docs/accuracy.md).
+issue's table at 2**20 elements: ``--issue-table``; 2**20 at every M: ``--full`` (hours). Candidate
+roundings (``--candidates``) are schemes measured in search of LD-SR's error without its bias, in
+numpy here only (docs/accuracy.md).
 
     python3 tools/accuracy_bias.py --grads g.npy --json $OUT/bias.json --plot $OUT/bias.png
     python3 tools/accuracy_bias.py --issue-table --candidates
@@ -38,6 +39,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import CannotRun, Parser, check_world, int_at_least, int_list, output_help, output_path, run
 
+import accuracy_world as aw
 import numpy as np
 from accuracy import BF16, MODES, accumulate, load_grads
 
@@ -165,15 +167,12 @@ def measure(inc: Increments, micro: int, n: int, modes: Sequence[str], seed: int
     return out
 
 
-def measure_world(world: int, micro: int, kind: str, layers: int, strategy: str, roundings: Sequence[str],
+def measure_world(layout: Any, world: int, micro: int, kind: str, strategy: str, roundings: Sequence[str],
                   seed: int = 1) -> dict[str, dict[str, float]]:
     """The real ``strategy`` manager on ``world`` host ranks, one step of ``micro`` micro-steps of
     input ``kind`` as bf16 gradients (every rank the same base, its own noise), per rounding; the
-    reference is the float64 sum over micro-steps of the mean over ranks."""
-    import accuracy_world as aw
-
-    layout = aw.make_layout("small", layers)
-    check_world(layout, world, "world")
+    reference is the float64 sum over micro-steps of the mean over ranks. ``layout``: e.g.
+    ``accuracy_world.make_layout("small", layers)``, sharded over ``world`` ranks."""
     n = layout.num_layers * layout.block_numel
     grads = np.empty((micro, world, n), BF16)
     for r in range(world):
@@ -264,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--candidates", action="store_true", help=f"also the candidate schemes {', '.join(CANDIDATES)}")
     p.add_argument("--issue-table", action="store_true", help="only issue 36's rows, at --max-n elements")
+    p.add_argument("--full", action="store_true", help="the heavy sweep: --max-n elements at every M (hours on a CPU)")
     p.add_argument("--worlds", type=int_list(2), default=[2, 4], help="world sizes of the host-backend rows")
     p.add_argument("--world-micro", type=int_list(2), default=[4, 64], help="micro-step counts of those rows")
     p.add_argument("--world-layers", type=int_at_least(1), default=8, help="layers of the small Qwen2 layout there")
@@ -283,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--modes: one of {', '.join(MODES)}")
     if args.min_n > args.max_n:
         p.error("--min-n must not exceed --max-n")
+    if args.full:
+        args.min_n = args.max_n
+    layout = aw.make_layout("small", args.world_layers)
+    for world in [] if args.issue_table else args.worlds:
+        check_world(layout, world, "--worlds: world")
     modes += list(CANDIDATES) if args.candidates else []
     grads = None
     if args.grads:
@@ -302,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for world in args.worlds:
             for micro in args.world_micro:
                 for kind in args.world_inputs:
-                    st = measure_world(world, micro, kind, args.world_layers, args.strategy, world_modes, args.seed)
+                    st = measure_world(layout, world, micro, kind, args.strategy, world_modes, args.seed)
                     rows.append({"input": kind, "world": world, "micro": micro, "n": next(iter(st.values()))["n"],
                                  "strategy": args.strategy, "modes": st})
                     print(table(rows[-1:], modes).splitlines()[-1], flush=True)
