@@ -24,7 +24,8 @@ Who does what:
 The engine hands a gradient over through a pinned staging tensor: its ``numpy()`` is a view on
 the host and CUDA backends alike, and lowgrad's kernels and copies read it, so
 ``lg.ops.add_sr`` rounds it into the manager's tensor on stream ``s`` wherever that lives.
-``--accum``: ``sr_bf16`` (default) rounds stochastically into bf16 (``t = SR(t + g)``, unbiased);
+``--accum``: ``sr_bf16`` (default) rounds stochastically into bf16 (``t = SR(t + g)``, fresh noise
+every add, so the sum is unbiased);
 ``fp32`` adds exactly (the reference); ``rn_bf16`` adds in bf16 on the host with round-to-nearest,
 as ``grad += g`` on a bf16 tensor does in a framework. Only the unsharded manager leaves the
 accumulation to the engine, so ``rn_bf16`` needs ``--strategy unsharded``.

@@ -1,5 +1,5 @@
-"""tools/accuracy.py: its modes are lowgrad's roundings (SR bit for bit with the reference), the
-low-discrepancy noise is unbiased and beats fresh noise where increments are consistent, and it
+"""tools/accuracy.py: its modes are lowgrad's roundings (SR bit for bit with the reference), one
+low-discrepancy rounding is unbiased and the LD sum beats fresh noise where increments are consistent, and it
 reads a user's gradients or refuses them clearly."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_sr_and_rn_are_lowgrads_roundings() -> None:
     assert np.array_equal(acc.accumulate(incs, "fp32"), f32.astype(np.float64))
 
 
-def test_low_discrepancy_noise_is_unbiased_and_wins_on_consistent_increments() -> None:
+def test_each_low_discrepancy_rounding_is_unbiased_and_wins_on_consistent_increments() -> None:
     x = np.full(200_000, 1.0 + 2 ** -9, np.float32)  # a quarter of the way between two bf16 values
     for m in (0, 1, 7):
         incs = [np.zeros_like(x)] * m + [x]

@@ -259,7 +259,7 @@ def test_sr_accumulation_is_unbiased_and_fresh_every_micro_step(rounding: str) -
     (std about sqrt(63 * 0.164 * 0.836) = 2.9 ulps); with noise repeated across micro-steps each
     element would round the same way every time and drift linearly (std over 20 ulps). With
     low-discrepancy noise ("ldsr") successive rounding errors cancel: the error stays under two ulps
-    (std under 1), still unbiased."""
+    (std under 1), and unbiased, because the sum stays in one binade (docs/accuracy.md, "Bias")."""
     layout = lg.Layout(block=[lg.ParamSpec("w", (8192,))], non_block=[], num_layers=1)
     c = 1.3125 * 2.0 ** -10  # exact in bf16
 

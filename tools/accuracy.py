@@ -7,8 +7,8 @@ Modes (bytes per element of the accumulator):
 - ``sr``    (2): bf16, stochastic rounding with fresh noise per micro-step (lowgrad's SR: the
   noise of element i at micro-step m is the Philox noise of the per-use seed of (step 0, m));
 - ``ldsr``  (2): bf16, low-discrepancy SR: the noise of micro-step m is ``(u_i + m * 40503) mod
-  2**16``, ``u_i`` the noise of micro-step 0 — each rounding still unbiased, successive rounding
-  errors of one element anti-correlated;
+  2**16``, ``u_i`` the noise of micro-step 0 — successive rounding errors of one element
+  anti-correlated; one rounding is unbiased, the sum is not in general (tools/accuracy_bias.py);
 - ``kahan`` (4): a bf16 sum plus a bf16 compensation term (Kahan), both rounded to nearest: the
   compensated scheme at bf16 precision, for the record — it takes as much memory as ``fp32``.
 

@@ -90,10 +90,10 @@ def tensor_slices(layout: lg.Layout) -> list[tuple[int, int, slice]]:
 
 # ---- the real managers --------------------------------------------------------------------------
 def run_manager(layout: lg.Layout, strategy: str, grads: np.ndarray, seed: int = 1,
-                delay: Callable[[int, int, int], None] | None = None) -> np.ndarray:
+                delay: Callable[[int, int, int], None] | None = None, rounding: str = "sr") -> np.ndarray:
     """One step of ``grads.shape[0]`` micro-steps through ``create_gradient_manager`` on
     ``grads.shape[1]`` host-backend ranks; the ranks' shards joined into full tensors (flat, in
-    :func:`tensor_slices` order), rounding with SR (what the emulations model). ``delay(rank,
+    :func:`tensor_slices` order), rounding with ``rounding`` (SR: what the emulations model). ``delay(rank,
     micro_step, layer)``, if given, runs before each ``notify_block`` (to vary the order in which
     ranks arrive)."""
     micro, world = grads.shape[:2]
@@ -101,7 +101,7 @@ def run_manager(layout: lg.Layout, strategy: str, grads: np.ndarray, seed: int =
 
     def rank_fn(comm: Any) -> list[np.ndarray]:
         gm = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=seed,
-                                        rounding=None if strategy == "unsharded" else "sr")
+                                        rounding=None if strategy == "unsharded" else rounding)
         s = comm.device.stream()
         for m in range(micro):
             gm.start_micro_step(s, m, micro)

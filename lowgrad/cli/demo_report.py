@@ -17,7 +17,9 @@ columns (rank 0 unless said otherwise):
                           ms/micro (1 = at the copy floor; NCCL traffic not counted)
   max ulps, mean ulps     |shard - float64 reference| over every element of every rank, in
                           bf16 ulps at the largest magnitude the element's sums reach
-  bias ulps               mean signed error; stochastic rounding is unbiased, so about 0"""
+  bias ulps               mean signed error: about 0 for SR (its sum is unbiased); for LD-SR,
+                          the default, a few percent of its error on gradients that vary between
+                          micro-steps, up to a third on constant ones (docs/accuracy.md, "Bias")"""
 
 
 @dataclass

@@ -8,8 +8,12 @@ seed from the host at launch:
 
 - ``"sr"``: the Philox noise of the per-use seed of ``(step, micro_step, layer, lane)``;
 - ``"ldsr"`` (low-discrepancy SR): the noise of the per-use seed of micro-step 0 plus
-  ``micro_step * 40503``, mod 2**16, in every element (:func:`ld_shift`): each rounding is still
-  unbiased, and the rounding errors of one element in successive micro-steps anti-correlate;
+  ``micro_step * 40503``, mod 2**16, in every element (:func:`ld_shift`): the rounding errors of
+  one element in successive micro-steps anti-correlate. Each rounding's noise is uniform, so one
+  rounding of a given value is unbiased; the accumulated sum is not in general (the value rounded
+  at micro-step m depends on earlier roundings made with the same noise): it is while an element's
+  sum stays in one binade; measured up to 7.7e-4 of |sum| on constant inputs that cross binades,
+  at most 3.4 % of its error on varying ones (docs/accuracy.md, "Bias");
 - ``"rn"``: round to nearest even, no noise.
 
 A captured CUDA graph therefore draws fresh noise on every replay; the counter advances by
@@ -36,7 +40,8 @@ COUNTER_DTYPE = np.dtype({"names": [f.name for f in _FIELDS], "formats": [np.dty
                          align=True)
 #: the rounding modes and their ``mode`` values: ``ROUND_<MODE>`` of kernels/sr.cuh, in its order
 ROUNDINGS = {k.removeprefix("ROUND_").lower(): v for k, v in _SOURCE.items() if k.startswith("ROUND_")}
-#: the sharded managers' rounding unless told otherwise (measured best at bf16 memory: docs/accuracy.md)
+#: the sharded managers' rounding unless told otherwise: less error than SR from 16 micro-steps on, for
+#: a bias of the sum on constant gradients (tools/accuracy_bias.py; docs/accuracy.md, "Bias")
 DEFAULT_ROUNDING = "ldsr"
 LD_STEP = _SOURCE["LD_STEP"]  # round(0.6180339887 * 2**16): the golden-ratio increment of low-discrepancy SR
 #: the ops of kernels/seed_counter.cu
