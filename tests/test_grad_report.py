@@ -142,3 +142,31 @@ def test_a_log_cut_by_a_crash_and_resumed_reads_with_the_cut_line_named(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert f"grad_report: gradient log {path}:5: a line cut short by a crash" in proc.stderr
     assert proc.stdout.startswith(f"12 steps (100..107) from {path}")
+
+
+def test_main_called_twice_says_the_warning_once_per_call_and_leaves_no_handler(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """main() in one process (a notebook, a test): its warning handler lives for the read only, so
+    a second call prints the cut line once, not twice, and the 'lowgrad' logger is left as found."""
+    import logging
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import grad_report
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    path = tmp_path / "grad.jsonl"
+    write_log(path, steps=3)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"format": 1, "step": 3, "x\n')  # a line cut by a crash: read_log warns
+    logger = logging.getLogger("lowgrad")
+    before = list(logger.handlers)
+    cut = f"grad_report: gradient log {path}:4: a line cut short by a crash"
+    for _ in range(2):
+        assert grad_report.main(["--log", str(path), "--out", str(tmp_path / "out")]) == 0
+        assert capsys.readouterr().err.count(cut) == 1
+        assert logger.handlers == before
+    (tmp_path / "bad.jsonl").write_text("not json\n")  # the read fails: the handler goes too
+    with pytest.raises(grad_report.CannotRun, match="not JSON"):
+        grad_report.main(["--log", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "out")])
+    assert logger.handlers == before

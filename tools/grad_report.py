@@ -130,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     said = logging.StreamHandler(sys.stderr)  # read_log's warnings (a line cut by a crash, left out)
     said.setFormatter(logging.Formatter(f"{NAME}: %(message)s"))
     said.setLevel(logging.WARNING)
-    logging.getLogger("lowgrad").addHandler(said)
+    logger = logging.getLogger("lowgrad")
+    logger.addHandler(said)  # for the read only: a second main() in one process says each warning once
     try:
         records = read_log(a.log)  # every field checked: a malformed one is a ValueError naming the line and field
     except (OSError, ValueError) as exc:
         raise CannotRun(f"--log {a.log}: {exc}") from None
+    finally:
+        logger.removeHandler(said)
     if not records:
         raise CannotRun(f"--log {a.log}: no steps in it")
     report = summarize(records)  # read_log checked every field of every record
