@@ -3,6 +3,7 @@ form one new communicator ordered by (key, parent rank); bad arguments raise bef
 happens; a failing rank wakes the ranks waiting in a split communicator."""
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -131,3 +132,27 @@ def test_a_rank_that_never_splits_times_out() -> None:
 
     with pytest.raises(lg.CommTimeoutError, match=r"\[1\]"):
         lg.run_threads(2, fn, timeout=0.3)
+
+
+def test_split_and_close_cycles_leave_nothing_held_by_the_parent() -> None:
+    """The parent holds what was split from it weakly (to abort it): 50 split-and-close cycles leave
+    no child behind, and a split still alive after them is still reached by a failing rank's abort."""
+    def fn(c: Any) -> int:
+        for _ in range(50):
+            sub = c.split(0)
+            sub.close()
+        del sub
+        c.barrier()  # every rank has dropped its last child
+        gc.collect()
+        c.barrier()
+        held = len(c.collective._children)
+        live = c.split(0)
+        if c.rank == 1:
+            raise RuntimeError(f"boom in rank 1 ({held} held)")
+        live.barrier()  # rank 1 never arrives: the abort reaches the live split
+        return held
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"boom in rank 1 \(0 held\)"):
+        lg.run_threads(3, fn, timeout=60)
+    assert time.monotonic() - t0 < 10

@@ -5,6 +5,7 @@ happens; an abort reaches the split communicators. tests/test_loopback_split_gpu
 same jobs on a GPU."""
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -95,5 +96,30 @@ def test_an_abort_reaches_the_split_communicators() -> None:
 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="boom"):
+        run(2, job, timeout=60)
+    assert time.monotonic() - t0 < 10
+
+
+def test_split_and_close_cycles_leave_no_group_held_by_the_parent() -> None:
+    """The parent's meeting holds the loopback groups split from it weakly (each holds device
+    memory and streams): 50 split-and-close cycles leave none behind, and a split alive after them
+    is still reached by a failing rank's abort."""
+    def job(c: Any) -> int:
+        for _ in range(50):
+            sub = c.split(0)
+            sub.close()
+        del sub
+        c.barrier()  # every rank has dropped its last group
+        gc.collect()
+        c.barrier()
+        held = len(c.shared.meet._children)
+        live = c.split(0)
+        if c.rank == 1:
+            raise RuntimeError(f"boom in rank 1 ({held} held)")
+        live.barrier()
+        return held
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"boom in rank 1 \(0 held\)"):
         run(2, job, timeout=60)
     assert time.monotonic() - t0 < 10

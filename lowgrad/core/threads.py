@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -45,7 +46,9 @@ class ThreadCollective:
         self._mail: dict[tuple[int, int, str], deque[Any]] = {}
         self._failure: tuple[type[Exception], str] | None = None
         self._left: set[int] = set()  # ranks that closed their communicator
-        self._children: list[Any] = []  # what was split from it (split_collective): aborted with it
+        # what was split from it, aborted with it: held weakly, so that a split whose communicators
+        # are all gone (a loopback group holds device memory and streams) does not live on here
+        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @property
     def failed(self) -> bool:
@@ -178,7 +181,7 @@ class ThreadCollective:
                 made = exc
         if members[0] == rank and not isinstance(made, Exception):
             with self._cv:
-                self._children.append(made)
+                self._children.add(made)
         shared = self.exchange(rank, made, timeout)[members[0]]
         if isinstance(shared, Exception):
             if members[0] == rank:
