@@ -296,3 +296,55 @@ def test_every_bad_call_leaves_the_state_unchanged(strategy: str, offload: bool)
                                            lg.run_threads(2, lambda c: job(c, False)))):
         for key in want:
             assert np.array_equal(got[key].view(np.uint32), want[key].view(np.uint32)), (rank, key)
+
+
+@pytest.mark.parametrize("fails", ["statistics", "grad_norm"])
+def test_a_manager_that_fails_after_its_strategy_closes_it_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """A construction that fails after the strategy is built (the statistics, the norm's memory)
+    leaves nothing behind: hierarchical's split communicators are closed on every rank, and a
+    corrected retry works."""
+    import threading
+
+    from lowgrad.host.communicator import HostCommunicator
+    from lowgrad.host.device import HostDevice
+    from lowgrad.managers import manager
+
+    made: list[Any] = []
+    lock = threading.Lock()
+    real_split, real_alloc = HostCommunicator._split, HostDevice.alloc
+
+    def split(self: Any, color: int, key: int) -> Any:
+        sub = real_split(self, color, key)
+        with lock:
+            made.append(sub)
+        return sub
+
+    def alloc(self: Any, shape: Any, dtype: Any, kind: str = "device", name: str = "tensor") -> Any:
+        if fails == "grad_norm" and name == "grad_norm":
+            raise MemoryError("out of device memory (injected)")
+        return real_alloc(self, shape, dtype, kind, name)
+
+    def statistics(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("statistics (injected)")
+
+    monkeypatch.setattr(HostCommunicator, "_split", split)
+    monkeypatch.setattr(HostDevice, "alloc", alloc)
+    if fails == "statistics":
+        monkeypatch.setattr(manager, "Statistics", statistics)
+
+    def fn(comm: Any) -> str:
+        with pytest.raises(MemoryError, match="injected"):
+            lg.create_gradient_manager(small_layout(), comm, strategy="hierarchical", group_size=2,
+                                       stats=fails == "statistics")
+        return type(comm).__name__
+
+    assert lg.run_threads(4, fn) == ["HostCommunicator"] * 4
+    assert len(made) == 8 and all(c.closed for c in made)  # two splits per rank
+    monkeypatch.undo()
+
+    def retry(comm: Any) -> bool:
+        gm = lg.create_gradient_manager(small_layout(), comm, strategy="hierarchical", group_size=2)
+        gm.close()
+        return True
+    assert lg.run_threads(4, retry) == [True] * 4

@@ -123,11 +123,15 @@ class GradientManager:
                                     self._comm_handle, self._counter, self._record, self._wait, self._join,
                                     lambda: self._protocol, self._group_done, self._comm_done)
         self._strategy: Strategy = cls(self._ctx, **options)
-        #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
-        self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
-                                                        self._nb_list, self._wait, self._comm_done, self._state)) \
-            if stats else None
-        self._norm = self.device.alloc(1, fp32, name="grad_norm")
+        try:
+            #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
+            self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
+                                                            self._nb_list, self._wait, self._comm_done, self._state)) \
+                if stats else None
+            self._norm = self.device.alloc(1, fp32, name="grad_norm")
+        except BaseException:  # a failed manager is never closed: what the strategy holds (split
+            self._strategy.close()  # communicators) goes now
+            raise
 
     def _check_inline(self, cls: type[Strategy], inline: Any) -> bool:
         """``inline`` checked: where the strategy can (a manager that accumulates, world 1, device
