@@ -235,3 +235,28 @@ def test_a_rank_that_does_not_create_its_manager_fails_the_others_in_bounded_tim
     with pytest.raises(lg.CommTimeoutError, match=r"\[3\]"):
         lg.run_threads(4, fn, timeout=0.3)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_node_exchange_reuses_one_list_per_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """notify is a hot path: the node's reduce-scatter gets the list of slices built once per
+    buffer at allocation, not one built per call (2 steps x 3 layers x 3 micro-steps: 2 lists)."""
+    from lowgrad.managers.strategy import StrategyContext
+
+    lists: dict[int, list[Any]] = {}
+    real = StrategyContext.reduce_scatter_all
+
+    def spy(self: Any, tensors: list[Any], comm: Any = None, op: str = "avg") -> None:
+        if comm is not None and comm is not self.comm:
+            lists.setdefault(self.rank, []).append(tensors)  # kept alive: the ids stay distinct
+        real(self, tensors, comm, op)
+
+    monkeypatch.setattr(StrategyContext, "reduce_scatter_all", spy)
+    layout = small_layout()
+
+    def fn(c: Any) -> None:
+        with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2) as gm:
+            drive(c, layout, "hierarchical", False, 3, steps=2, gm=gm, gfun=bf16_grad)
+    lg.run_threads(4, fn)
+    # per rank: the node exchanges of every micro-step and layer, the cross-node ones of the last
+    assert all(len({id(x) for x in ls if len(x) == 2 * len(layout.block)}) == 2 for ls in lists.values()), \
+        {r: len({id(x) for x in ls}) for r, ls in lists.items()}

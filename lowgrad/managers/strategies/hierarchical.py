@@ -117,6 +117,7 @@ class Hierarchical(Strategy):
         acc_lazy.commit()
         # the N slices of 1/N of each tensor the node reduces, and this rank's chunk of each
         self.slices = [[[shard_view(t, k, N) for k in range(N)] for t in buf] for buf in self.buffers]
+        self.node_slices = [[v for vs in buf for v in vs] for buf in self.slices]  # notify's, built once
         self.own = [[[shard_view(v, self.g, G) for v in vs] for vs in buf] for buf in self.slices]
         self.pieces = [[[shard_view(a, k, N) for k in range(N)] for a in acc] for acc in self.acc]
         self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
@@ -158,7 +159,7 @@ class Hierarchical(Strategy):
         h, b = ctx.comm_handle, layer % 2
         self.full_buffers.measure(layer)
         if self.G > 1:  # one rank per node: its gradient is the node's mean
-            ctx.reduce_scatter_all([v for vs in self.slices[b] for v in vs], comm=self.node)
+            ctx.reduce_scatter_all(self.node_slices[b], comm=self.node)
         if ctx.first:
             for ps, owns in zip(self.pieces[layer], self.own[b]):
                 for p, own in zip(ps, owns):
