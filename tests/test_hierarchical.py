@@ -37,8 +37,8 @@ def mean_bf16(parts: list[np.ndarray]) -> np.ndarray:
 def expected(layout: lg.Layout, world: int, G: int, micro: int, seed: int, rounding: str,
              step: int = 0) -> list[dict[str, np.ndarray]]:
     """Every rank's block shards: per micro-step the node's mean of each chunk of W, accumulated
-    per chunk with SR (the noise of the chunk's element indices in the full tensor), then the
-    mean over the nodes of each rank's chunk."""
+    per chunk with SR (node n: the noise of the chunk's element indices in the full tensor plus
+    n * numel), then the mean over the nodes of each rank's chunk."""
     N = world // G
     out: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
     for layer in range(layout.num_layers):
@@ -57,7 +57,7 @@ def expected(layout: lg.Layout, world: int, G: int, micro: int, seed: int, round
                             continue
                         ld = rounding == "ldsr"
                         seed_m = lg.use_seed(seed, step, 0 if ld else m, layer, i, 0)
-                        acc[n, c] = sr_ref.add_sr(acc[n, c], nm, 1.0, seed_m, c * chunk,
+                        acc[n, c] = sr_ref.add_sr(acc[n, c], nm, 1.0, seed_m, n * s.numel + c * chunk,
                                                   shift=ld_shift(m) if ld else 0, nearest=rounding == "rn")
             for r in range(world):
                 shard = mean_bf16([acc[n, r] for n in range(N)])
@@ -260,3 +260,31 @@ def test_the_node_exchange_reuses_one_list_per_buffer(monkeypatch: pytest.Monkey
     # per rank: the node exchanges of every micro-step and layer, the cross-node ones of the last
     assert all(len({id(x) for x in ls if len(x) == 2 * len(layout.block)}) == 2 for ls in lists.values()), \
         {r: len({id(x) for x in ls}) for r, ls in lists.items()}
+
+
+def test_each_node_rounds_with_its_own_noise() -> None:
+    """Every rank has the same gradients, so every node accumulates the same values: with one
+    noise for all nodes their accumulators, and so the mean over the nodes, would be those of
+    scatter_reduce bit for bit and its error theirs; with each node's own noise the errors average
+    out across the N = 4 nodes (fresh SR noise, 2^14 elements, 16 micro-steps)."""
+    layout = lg.Layout(block=[lg.ParamSpec("w", (4096, 4))], non_block=[], num_layers=1)
+    M = 16
+    base = np.random.default_rng(0).standard_normal((4096, 4)).astype(np.float32)
+
+    def same(rank: int, micro: int, layer: int, i: int, shape: tuple[int, ...], step: int = 0) -> np.ndarray:
+        g = base + 0.02 * np.random.default_rng(micro).standard_normal(shape).astype(np.float32)
+        return g.astype(lg.bf16.np).astype(np.float32)
+    exact = np.sum([same(0, m, 0, 0, (4096, 4)).astype(np.float64) for m in range(M)], axis=0)
+
+    def job(strategy: str, **kw: Any) -> Any:
+        def fn(c: Any) -> dict[str, np.ndarray]:
+            with lg.create_gradient_manager(layout, c, strategy=strategy, rounding="sr", **kw) as gm:
+                return drive(c, layout, strategy, False, M, gm=gm, gfun=same)
+        shards = lg.run_threads(4, fn)
+        return np.concatenate([shards[r]["0.w"] for r in range(4)])
+
+    def rms(x: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((x - exact) ** 2)))
+    sr, hier = job("scatter_reduce"), job("hierarchical", group_size=1)
+    assert not np.array_equal(sr, hier)
+    assert rms(hier) < 0.75 * rms(sr), (rms(hier), rms(sr))

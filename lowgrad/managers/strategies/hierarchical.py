@@ -14,7 +14,9 @@ At ``notify``, on the communication stream after the engine's work:
    (average over G), one of each contiguous 1/N of the tensor, so that this rank holds the
    node's mean of chunks ``k*G + g`` for every k: the same bytes as one reduce-scatter;
 2. those N chunks are added into the accumulator's pieces (a copy on micro-step 0, ``add_sr``
-   with phase-0 noise of the chunk's element indices in the full tensor after);
+   with phase-0 noise after, of the chunk's element indices in the full tensor shifted by
+   ``n * numel``: each node's own noise, so that the nodes' rounding errors average out across
+   the nodes);
 3. on the last micro-step only, across the nodes (the communicator split by local index ``g``:
    the N ranks of the same index): an in-place reduce-scatter (average over N) of the
    accumulator, which leaves piece ``n`` (this rank's node) = chunk ``n*G + g`` = chunk ``rank``
@@ -124,14 +126,17 @@ class Hierarchical(Strategy):
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
 
     def bind(self, target: StatsTarget | None) -> None:
-        """The SR adds of the node's chunks into the accumulator pieces (noise of the chunks'
-        element indices in the full tensor) and the local measurements."""
+        """The SR adds of the node's chunks into the accumulator pieces and the local
+        measurements. Node ``n`` rounds element ``i`` of a tensor of ``numel`` elements with the
+        noise of index ``n * numel + i`` (docs/design.md, "Per-use seeds"): the N nodes accumulate
+        the same chunks, and with one noise their rounding errors would add up coherently across
+        the nodes instead of averaging out; node 0 keeps the index of ``scatter_reduce``."""
         ctx, G, N = self.ctx, self.G, self.N
         micro = N == 1 and target is not None and target[1].micro
         lanes = [2 * i for i, _ in enumerate(ctx.layout.block) for _ in range(N)]  # phase 0
 
         def items(l: int) -> list[tuple[Tensor, Tensor, Tensor, int]]:
-            return [(p, p, own, ctx.shard_offset(s, k * G + self.g))
+            return [(p, p, own, self.n * s.numel + ctx.shard_offset(s, k * G + self.g))
                     for s, ps, owns in zip(ctx.layout.block, self.pieces[l], self.own[l % 2])
                     for k, (p, own) in enumerate(zip(ps, owns))]
         L = ctx.layout.num_layers
