@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -134,9 +135,10 @@ def test_a_rank_that_never_splits_times_out() -> None:
         lg.run_threads(2, fn, timeout=0.3)
 
 
-def test_split_and_close_cycles_leave_nothing_held_by_the_parent() -> None:
-    """The parent holds what was split from it weakly (to abort it): 50 split-and-close cycles leave
-    no child behind, and a split still alive after them is still reached by a failing rank's abort."""
+def split_cycles(children: Callable[[Any], Any]) -> Callable[[Any], int]:
+    """The job of the cycles tests (host and loopback): 50 split-and-close cycles, then how many
+    children the parent holds (``children(comm)``), then a live split that rank 1's failure must
+    wake (its message says the count)."""
     def fn(c: Any) -> int:
         for _ in range(50):
             sub = c.split(0)
@@ -145,14 +147,19 @@ def test_split_and_close_cycles_leave_nothing_held_by_the_parent() -> None:
         c.barrier()  # every rank has dropped its last child
         gc.collect()
         c.barrier()
-        held = len(c.collective._children)
+        held = len(children(c))
         live = c.split(0)
         if c.rank == 1:
             raise RuntimeError(f"boom in rank 1 ({held} held)")
         live.barrier()  # rank 1 never arrives: the abort reaches the live split
         return held
+    return fn
 
+
+def test_split_and_close_cycles_leave_nothing_held_by_the_parent() -> None:
+    """The parent holds what was split from it weakly (to abort it): 50 split-and-close cycles leave
+    no child behind, and a split still alive after them is still reached by a failing rank's abort."""
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"boom in rank 1 \(0 held\)"):
-        lg.run_threads(3, fn, timeout=60)
+        lg.run_threads(3, split_cycles(lambda c: c.collective._children), timeout=60)
     assert time.monotonic() - t0 < 10

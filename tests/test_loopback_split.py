@@ -5,7 +5,6 @@ happens; an abort reaches the split communicators. tests/test_loopback_split_gpu
 same jobs on a GPU."""
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from loopback_sim import patch, run
 from test_hierarchical import small_layout
+from test_host_communicator_split import split_cycles
 from test_managers import bf16_grad, drive
 
 import lowgrad as lg
@@ -104,22 +104,7 @@ def test_split_and_close_cycles_leave_no_group_held_by_the_parent() -> None:
     """The parent's meeting holds the loopback groups split from it weakly (each holds device
     memory and streams): 50 split-and-close cycles leave none behind, and a split alive after them
     is still reached by a failing rank's abort."""
-    def job(c: Any) -> int:
-        for _ in range(50):
-            sub = c.split(0)
-            sub.close()
-        del sub
-        c.barrier()  # every rank has dropped its last group
-        gc.collect()
-        c.barrier()
-        held = len(c.shared.meet._children)
-        live = c.split(0)
-        if c.rank == 1:
-            raise RuntimeError(f"boom in rank 1 ({held} held)")
-        live.barrier()
-        return held
-
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"boom in rank 1 \(0 held\)"):
-        run(2, job, timeout=60)
+        run(2, split_cycles(lambda c: c.shared.meet._children), timeout=60)
     assert time.monotonic() - t0 < 10
