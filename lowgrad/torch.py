@@ -552,13 +552,16 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> 
     (naming the file and what is wrong) for a missing, half-written, truncated, corrupted or
     foreign checkpoint, with nothing changed. A collective, between steps."""
     live = optimizer.state_dict()
+    # the optimizer first (its class, master_weights): a clearer refusal than the arrays' dtypes
+    saved = checkpoint.read_manifest(path)["meta"].get("optimizer")
+    try:
+        optimizer._check_optimizer(saved)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live))
     state = {key: _from_numpy(found.arrays[key], _local(v)) if isinstance(v, torch.Tensor) else v
              for key, v in live.items()}
-    state["manager"] = found.manager.portable()
-    if "optimizer" not in found.meta:
-        raise CheckpointError(f"{path}: saved without a ShardOptimizer's state (not from save_checkpoint)")
-    state["optimizer"] = found.meta["optimizer"]
+    state["manager"], state["optimizer"] = found.manager.portable(), saved
     optimizer.load_state_dict(state)
 
 
