@@ -466,7 +466,7 @@ def kill_reference(a: argparse.Namespace, template: Any, root: Path, switch: int
     """The uninterrupted run: ``--world`` to step ``switch``, then (a resume at another world)
     ``--resume-world`` from that state to the end, handed over through a checkpoint."""
     ref = root / "reference"
-    ref.mkdir(exist_ok=True)
+    ref.mkdir(parents=True, exist_ok=True)
     states = lg.run_threads(a.world, lambda c: life(c, a, template, ref if switch < a.steps else None, switch, None),
                             backend="host", timeout=a.timeout)
     if switch < a.steps:
