@@ -472,7 +472,7 @@ class ShardRows(torch.Tensor):
         r.local, r.global_shape, r.start = local.detach(), torch.Size(global_shape), start
         return r
 
-    def size(self, dim: int | None = None) -> Any:  # type: ignore[override]
+    def size(self, dim: int | None = None) -> Any:
         return self.global_shape if dim is None else self.global_shape[dim]
 
     def _chunk(self) -> Any:

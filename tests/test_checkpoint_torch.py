@@ -377,9 +377,9 @@ _DCP_RANK = textwrap.dedent("""
 def _dcp_processes(world: int, mode: str, where: Path, files: Path) -> None:
     """``dcp.save`` or ``dcp.load`` of each rank's state dict in ``world`` processes (gloo)."""
     script = _DCP_RANK.format(root=str(ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), mode, str(where), str(files)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(world)]
     outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
 

@@ -65,7 +65,7 @@ except ImportError as _exc:
 import lowgrad as lg  # noqa: E402
 import lowgrad.torch  # noqa: E402
 from lowgrad import checkpoint  # noqa: E402
-from lowgrad.checkpoint import store  # noqa: E402
+from lowgrad.checkpoint import durable  # noqa: E402
 
 KINDS = ("nonfinite", "forward", "backward", "data", "badarg")
 SKIPPING = KINDS[:4]  # a step with such a fault is skipped on every rank
@@ -328,8 +328,8 @@ def die() -> None:
 
 def arm_kill(kill: Kill, world: int, steps_done: Callable[[], int]) -> None:
     """Make this life's process die at ``kill`` inside the first save at or after its step: the
-    checkpoint store's file writes and its publish are wrapped (threads share them)."""
-    write, publish = store.write_file, store.publish
+    checkpoint's file writes and its publish are wrapped (threads share them)."""
+    write, publish = durable.write_file, durable.publish
 
     def armed() -> bool:
         return steps_done() > kill.step
@@ -350,7 +350,7 @@ def arm_kill(kill: Kill, world: int, steps_done: Callable[[], int]) -> None:
             die()
         publish(tmp, final)
 
-    store.write_file, store.publish = dying_write, dying_publish  # type: ignore[assignment]
+    durable.write_file, durable.publish = dying_write, dying_publish
 
 
 def life(comm: Any, a: argparse.Namespace, template: Any, ckdir: Path | None, stop: int,

@@ -26,8 +26,9 @@ def write_file(path: Path, chunks: list[bytes | memoryview]) -> None:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Rename the finished directory ``tmp`` to ``final`` (absent: checked by the caller) and make
-    the rename durable: before it the checkpoint does not exist, after it it is whole."""
+    """Rename the finished directory ``tmp`` (its files written by :func:`write_file`) to ``final``
+    (absent: checked by the caller), its entries and the rename made durable: before the rename
+    the checkpoint does not exist, after it it is whole."""
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(final.parent)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype name, which manifests use
 import numpy as np
 
-from lowgrad.checkpoint.durable import fsync_dir, publish, write_file
+from lowgrad.checkpoint import durable
 from lowgrad.checkpoint.rows import Rows
 from lowgrad.core.errors import CheckpointError
 from lowgrad.managers.state import ManagerState
@@ -108,19 +108,21 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
     _agree(comm, _attempt(prepare)[1], f"save {final}")
 
     def write() -> dict[str, Any]:
-        index, chunks, offset = {}, [], 0
+        index: dict[str, Any] = {}
+        chunks: list[bytes | memoryview] = []
+        offset = 0
         for name in sorted(arrays):
             r = arrays[name]
             if r.whole and rank != 0:
                 continue  # the same on every rank: rank 0's copy
             data = np.ascontiguousarray(r.data)
-            raw = memoryview(data.view(np.uint8).reshape(-1)) if data.size else memoryview(b"")
+            raw = memoryview(data.view(np.uint8).reshape(-1).data) if data.size else memoryview(b"")
             index[name] = {"dtype": data.dtype.name, "shape": list(r.shape), "start": r.start,
                            "rows": r.stop - r.start, "offset": offset, "bytes": raw.nbytes,
                            "crc32": zlib.crc32(raw)}
             chunks.append(raw)
             offset += raw.nbytes
-        write_file(tmp / _rank_file(rank), chunks)
+        durable.write_file(tmp / _rank_file(rank), chunks)
         return {"file": _rank_file(rank), "bytes": offset, "chunks": index}
     written, error = _attempt(write)
     verdicts = comm.host_allgather((error or "").encode() if error else json.dumps(written).encode())
@@ -133,9 +135,8 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
         manifest = {"format": FORMAT, "version": VERSION, "world": world, "manager": state,
                     "layout": _fingerprint(manager), "meta": json.loads(meta_text),
                     "files": {w["file"]: w["bytes"] for w in per_rank}, "arrays": _merge(per_rank, set(arrays))}
-        write_file(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
-        fsync_dir(tmp)
-        publish(tmp, final)
+        durable.write_file(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+        durable.publish(tmp, final)
     _agree(comm, _attempt(commit)[1] if rank == 0 else None, f"save {final}")
     return final
 
