@@ -60,7 +60,7 @@ def micro_batches(att: Any, model: Any, step: int) -> None:
     for m in range(M):
         with att.micro_step(m, M):
             g = torch.Generator().manual_seed(10_000 * step + 100 * att.gm.rank + m)
-            tokens = torch.randint(0, V, (3, 4), generator=g)
+            tokens = torch.randint(0, V, (3, 4), generator=g).to(next(model.parameters()).device)
             torch.nn.functional.cross_entropy(model(tokens).float().reshape(-1, V), tokens.reshape(-1)).backward()
 
 
@@ -68,8 +68,8 @@ class Run:
     """A rank's model, manager and ShardOptimizer(AdamW)."""
 
     def __init__(self, comm: Any, strategy: str = "scatter_reduce", offload: bool = False, seed: int = 0,
-                 master_weights: bool = True, optimizer: Any = None) -> None:
-        self.model = Net(seed)
+                 master_weights: bool = True, optimizer: Any = None, device: str = "cpu") -> None:
+        self.model = Net(seed).to(device)
         self.att = lt.attach(self.model, comm, strategy=strategy, offload=offload, seed=7)
         self.opt = lt.ShardOptimizer(self.att, optimizer, master_weights=master_weights, lr=1e-2,
                                      weight_decay=0.1)
@@ -81,11 +81,11 @@ class Run:
 
     def snapshot(self) -> dict[str, Any]:
         """Every tensor lowgrad and the module hold, and the last step's shards."""
-        out = {f"param.{n}": p.detach().clone() for n, p in self.model.named_parameters()}
+        out = {f"param.{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()}
         for k, v in self.opt.state_dict().items():
-            out[k] = lt._local(v).clone() if isinstance(v, torch.Tensor) else v
+            out[k] = lt._local(v).cpu().clone() if isinstance(v, torch.Tensor) else v
         try:  # the SR noise of the last step
-            out["shards"] = torch.cat([t.float().reshape(-1) for l in range(LAYERS)
+            out["shards"] = torch.cat([t.float().reshape(-1).cpu() for l in range(LAYERS)
                                        for t in self.att.block_shards(l).values()])
         except lg.ProtocolError:  # no step completed since the manager was made or loaded
             out["shards"] = None
@@ -193,6 +193,27 @@ def test_save_checkpoint_loads_at_another_world(tmp_path: Path, saved: int, resu
         return out
 
     for a, b in zip(threads(resumed, from_checkpoint), threads(resumed, by_hand)):
+        same(a, b)
+
+
+def test_without_master_weights_a_resume_is_bit_for_bit(tmp_path: Path) -> None:
+    """master_weights=False: the checkpoint's weights are the module's bf16 rows."""
+    def first(c: Any) -> None:
+        r = Run(c, master_weights=False)
+        r.train(range(2))
+        lt.save_checkpoint(tmp_path / "ck", r.opt)
+        r.close()
+
+    def second(c: Any) -> dict[str, Any]:
+        r = Run(c, master_weights=False, seed=1)
+        lt.load_checkpoint(tmp_path / "ck", r.opt)
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(2, first)
+    for a, b in zip(uninterrupted(2, master_weights=False), threads(2, second)):
         same(a, b)
 
 
