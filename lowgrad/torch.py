@@ -56,7 +56,7 @@ from lowgrad.core.errors import CheckpointError, NonFiniteGradientError, Protoco
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
-from lowgrad.managers.state import ManagerState
+from lowgrad.managers.state import ManagerState, resume_state
 from lowgrad.managers.stats import StatsReading
 
 _BLOCK_PATHS = ("model.layers", "layers", "transformer.h", "model.decoder.layers")
@@ -801,12 +801,9 @@ class ShardOptimizer:
             raise CheckpointError(f"ShardOptimizer.load_state_dict: keys missing {sorted(missing)[:4]}, unknown "
                                   f"{sorted(unknown)[:4]} (another model or optimizer?)")
         try:
-            saved = ManagerState.at(state["manager"], gm.rank, gm.world)
+            saved = resume_state(state["manager"], gm)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"ShardOptimizer.load_state_dict: 'manager': {e}") from None
-        if (saved.strategy, saved.rounding) != (gm.strategy, gm.rounding):
-            raise CheckpointError(f"ShardOptimizer.load_state_dict: saved by a {saved.strategy} manager rounding with "
-                                  f"{saved.rounding}; this one is {gm.strategy} rounding with {gm.rounding}")
         opt, groups = self._check_optimizer(state["optimizer"])
         copies = []
         for key, want in live.items():

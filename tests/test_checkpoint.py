@@ -255,7 +255,7 @@ def test_broken_and_foreign_checkpoints_are_refused_naming_the_file(tmp_path: Pa
     for msg in _refused(tmp_path / "trunc", 3):  # a rank whose rows are elsewhere is told too
         assert "rank-00000.bin" in msg
     for msg in _refused(good, 2, strategy="all_to_all"):
-        assert "saved by a scatter_reduce manager" in msg and "this one is all_to_all" in msg
+        assert "state strategy 'scatter_reduce' does not match this manager's 'all_to_all'" in msg
     other = lg.Layout(block=LAYOUT.block, non_block=(lg.ParamSpec("e", (12, 4)),), num_layers=2)
     for msg in _refused(good, 2, layout=other):
         assert "another model" in msg

@@ -326,7 +326,7 @@ def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None
         threads(1, job)
 
     threads(1, first)
-    check(lambda c: Run(c, "all_to_all"), "saved by a scatter_reduce manager")
+    check(lambda c: Run(c, "all_to_all"), "strategy 'scatter_reduce' does not match this manager's 'all_to_all'")
     check(lambda c: Run(c, master_weights=False), "master_weights=True")
     check(lambda c: Run(c, optimizer=torch.optim.Adam), "saved from AdamW")
     sd = torch.load(tmp_path / "sd.pt", weights_only=False)
@@ -336,7 +336,7 @@ def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None
         before = r.snapshot()
         for bad, needle in [({k: v for k, v in sd.items() if k != "master.head.weight"}, "keys missing"),
                             ({**sd, "master.head.weight": sd["master.head.weight"].local[:6]}, "this rank's is"),
-                            ({**sd, "manager": {**sd["manager"], "strategy": "unsharded"}}, "unsharded manager"),
+                            ({**sd, "manager": {**sd["manager"], "strategy": "unsharded"}}, "'unsharded' does not"),
                             ({**sd, "optimizer": {**sd["optimizer"], "skipped_steps": -1}}, "skipped_steps")]:
             with pytest.raises(lg.CheckpointError, match=needle):
                 r.opt.load_state_dict(bad)

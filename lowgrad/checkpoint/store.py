@@ -32,7 +32,7 @@ import numpy as np
 from lowgrad.checkpoint import durable
 from lowgrad.checkpoint.rows import Rows
 from lowgrad.core.errors import CheckpointError
-from lowgrad.managers.state import ManagerState
+from lowgrad.managers.state import ManagerState, resume_state
 
 FORMAT, VERSION = "lowgrad-checkpoint", 1
 MANIFEST = "manifest.json"
@@ -221,12 +221,9 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> Loaded:
     m = read_manifest(path)
     where = path / MANIFEST
     try:
-        saved = ManagerState.at(m["manager"], manager.rank, manager.world)
+        saved = resume_state(m["manager"], manager)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: manager state: {e}") from None
-    if (saved.strategy, saved.rounding) != (manager.strategy, manager.rounding):
-        raise CheckpointError(f"{where}: saved by a {saved.strategy} manager rounding with {saved.rounding}; this "
-                              f"one is {manager.strategy} rounding with {manager.rounding} (another run's checkpoint?)")
+        raise CheckpointError(f"{where}: manager: {e} (another run's checkpoint?)") from None
     if m.get("layout") != _fingerprint(manager):
         raise CheckpointError(f"{where}: another model: its layout differs from this manager's")
     names = set(m["arrays"])

@@ -86,3 +86,12 @@ class ManagerState:
         if not isinstance(portable, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(portable).__name__}")
         return cls.parse({**portable, "rank": rank, "world": world})
+
+
+def resume_state(portable: Any, manager: Any) -> ManagerState:
+    """A :meth:`ManagerState.portable` state (a checkpoint's) checked for ``manager`` (the same
+    strategy and rounding; any world) and placed at its rank and world: TypeError or ValueError
+    as :meth:`ManagerState.parse` and :meth:`ManagerState.check_fits` say."""
+    saved = ManagerState.at(portable, manager.rank, manager.world)
+    saved.check_fits(manager.strategy, manager.rank, manager.world, manager.rounding)
+    return saved
