@@ -796,6 +796,29 @@ class ShardOptimizer:
                                 "first, or load between steps")
         gm = self.attached.gm
         live = self.state_dict()  # the keys and live tensors to fill (ProtocolError inside a step)
+        # every rank's verdict before anything changes: a state refused on one rank is refused on all
+        saved, opt, groups, copies = checkpoint.agree(gm.comm, partial(self._check_state, state, live),
+                                                      "ShardOptimizer.load_state_dict")
+        # checked: from here on nothing fails but the collective
+        gm.load_state_dict(saved.as_dict())
+        with torch.no_grad():
+            for want, got in copies:
+                if want.data_ptr() != got.data_ptr():
+                    want.copy_(got)
+        for g, saved_group in zip(self.optimizer.param_groups, groups):
+            for k, v in saved_group.items():
+                if isinstance(g[k], torch.Tensor):  # a tensor lr stays a tensor (capturable, compiled steps)
+                    g[k].fill_(v)
+                else:
+                    g[k] = tuple(v) if isinstance(g[k], tuple) else v  # JSON made the betas a list
+        self.skipped_steps, self.last_norm, self._stepped = opt["skipped_steps"], math.nan, gm.step
+        self._publish()
+
+    def _check_state(self, state: dict[str, Any], live: dict[str, Any]
+                     ) -> tuple[ManagerState, dict[str, Any], list[dict[str, Any]], list[tuple[torch.Tensor, Any]]]:
+        """``state`` checked against this rank's ``live`` state dict: the manager's state placed here,
+        the optimizer entry, its param groups and the (live, loaded) tensor pairs to copy."""
+        gm = self.attached.gm
         missing, unknown = live.keys() - state.keys(), state.keys() - live.keys()
         if missing or unknown:
             raise CheckpointError(f"ShardOptimizer.load_state_dict: keys missing {sorted(missing)[:4]}, unknown "
@@ -805,7 +828,7 @@ class ShardOptimizer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"ShardOptimizer.load_state_dict: 'manager': {e}") from None
         opt, groups = self._check_optimizer(state["optimizer"])
-        copies = []
+        copies: list[tuple[torch.Tensor, Any]] = []
         for key, want in live.items():
             if key in ("manager", "optimizer"):
                 continue
@@ -822,20 +845,7 @@ class ShardOptimizer:
                 raise CheckpointError(f"ShardOptimizer.load_state_dict: {key!r} is {what}, this rank's is "
                                       f"{want.dtype} {tuple(want.shape)}")
             copies.append((want, got))
-        # checked: from here on nothing fails but the collective
-        gm.load_state_dict(saved.as_dict())
-        with torch.no_grad():
-            for want, got in copies:
-                if want.data_ptr() != got.data_ptr():
-                    want.copy_(got)
-        for g, saved_group in zip(self.optimizer.param_groups, groups):
-            for k, v in saved_group.items():
-                if isinstance(g[k], torch.Tensor):  # a tensor lr stays a tensor (capturable, compiled steps)
-                    g[k].fill_(v)
-                else:
-                    g[k] = tuple(v) if isinstance(g[k], tuple) else v  # JSON made the betas a list
-        self.skipped_steps, self.last_norm, self._stepped = opt["skipped_steps"], math.nan, gm.step
-        self._publish()
+        return saved, opt, groups, copies
 
     def _check_optimizer(self, opt: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The ``"optimizer"`` entry checked against this optimizer, and its param groups."""

@@ -345,6 +345,34 @@ def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None
     threads(1, job)
 
 
+def test_a_state_refused_on_one_rank_is_refused_on_all(tmp_path: Path) -> None:
+    """Rank 1 is handed a broken state, rank 0 a good one: both raise (no rank is left in the
+    all-gather), nothing changed, and the corrected retry loads."""
+    def first(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
+        r.close()
+
+    def second(c: Any) -> dict[str, Any]:
+        r = Run(c, seed=1)
+        before = r.snapshot()
+        sd = torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False)
+        bad = {**sd, "optimizer": {**sd["optimizer"], "class": "SGD"}} if c.rank == 1 else sd
+        with pytest.raises(lg.CheckpointError, match="rank 1: .*saved from SGD"):
+            r.opt.load_state_dict(bad)
+        same(r.snapshot(), before)
+        r.opt.load_state_dict(sd)
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(2, first)
+    for a, b in zip(uninterrupted(2), threads(2, second)):
+        same(a, b)
+
+
 def test_a_state_dict_waits_for_step() -> None:
     def job(c: Any) -> None:
         r = Run(c)

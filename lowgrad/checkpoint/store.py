@@ -24,7 +24,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype name, which manifests use
 import numpy as np
@@ -36,6 +36,7 @@ from lowgrad.managers.state import ManagerState, resume_state
 
 FORMAT, VERSION = "lowgrad-checkpoint", 1
 MANIFEST = "manifest.json"
+T = TypeVar("T")
 
 
 class Loaded(NamedTuple):
@@ -60,15 +61,19 @@ def _fingerprint(manager: Any) -> dict[str, Any]:
             "non_block": [[s.name, list(s.shape)] for s in layout.non_block]}
 
 
-def _agree(comm: Any, error: str | None, what: str) -> None:
-    """Every rank's verdict: CheckpointError on every rank when any rank failed (naming it)."""
+def agree(comm: Any, fn: Callable[[], T], what: str) -> T:
+    """``fn()`` on this rank, then every rank's verdict (a collective over ``comm``): ``fn``'s
+    result where every rank succeeded, else CheckpointError on every rank naming each rank that
+    failed and why, so that no rank goes on to a collective the others never reach."""
+    result, error = _attempt(fn)
     verdicts = comm.host_allgather((error or "").encode())
     bad = [(r, v.decode()) for r, v in enumerate(verdicts) if v]
     if bad:
         raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {msg}" for r, msg in bad))
+    return cast(T, result)  # no rank failed, this one included
 
 
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, str | None]:
     """``fn()`` and None, or None and the one-line reason it failed (checked errors and I/O)."""
     try:
         return fn(), None
@@ -105,7 +110,7 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
                 shutil.rmtree(tmp)
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
-    _agree(comm, _attempt(prepare)[1], f"save {final}")
+    agree(comm, prepare, f"save {final}")
 
     def write() -> dict[str, Any]:
         index: dict[str, Any] = {}
@@ -137,7 +142,7 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
                     "files": {w["file"]: w["bytes"] for w in per_rank}, "arrays": _merge(per_rank, set(arrays))}
         durable.write_file(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
         durable.publish(tmp, final)
-    _agree(comm, _attempt(commit)[1] if rank == 0 else None, f"save {final}")
+    agree(comm, commit if rank == 0 else lambda: None, f"save {final}")
     return final
 
 
@@ -203,10 +208,7 @@ def read(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows])
     gives only dtype and row count). Nothing changes: the caller applies what it got. A collective
     over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint."""
     arrays = _check_arrays(arrays, "read")
-    found, error = _attempt(lambda: _read(Path(path), manager, arrays))
-    _agree(manager.comm, error, f"load {path}")
-    assert found is not None
-    return found
+    return agree(manager.comm, lambda: _read(Path(path), manager, arrays), f"load {path}")
 
 
 def load(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows]) -> Loaded:
