@@ -312,12 +312,12 @@ KILL_POINTS = ("step", "save-file", "save-manifest", "save-publish", "timer")
 
 class Kill(NamedTuple):
     point: str
-    step: int  # the step (0-based) in or after which it dies; timer: milliseconds after the start
+    step: int  # the steps into its life (from the checkpoint it resumed) it dies at; timer: ms after the start
 
 
 def kill_schedule(a: argparse.Namespace) -> list[Kill]:
     rng = random.Random(f"{a.seed}/kills")
-    return [Kill(p, rng.randrange(1000, 12000) if p == "timer" else rng.randrange(a.steps))
+    return [Kill(p, rng.randrange(1000, 12000) if p == "timer" else rng.randrange(2 * a.checkpoint_every))
             for p in (rng.choice(KILL_POINTS) for _ in range(a.kills))]
 
 
@@ -385,8 +385,10 @@ def life(comm: Any, a: argparse.Namespace, template: Any, ckdir: Path | None, st
 def child(a: argparse.Namespace, template: Any) -> int:
     """A life in its own process (``--life``): its final state, once it gets there, to ``--dir``/final."""
     root = Path(a.dir)
+    last = checkpoint.latest(root / "ck")
+    start = 0 if last is None else checkpoint.read_manifest(last)["manager"]["step"]
     point, _, step = (a.die_at or "").partition(":")
-    kill = Kill(point, int(step)) if a.die_at else None
+    kill = Kill(point, start + int(step)) if a.die_at else None  # the step of the whole run it dies at
     done = [0]
     if kill is not None:
         arm_kill(kill, a.world, lambda: done[0])
