@@ -27,6 +27,12 @@ Ranks that share one GPU (the loopback communicator) deliver at the end of each 
 (see ``overlap`` in :func:`attach`): their collectives meet on the host, and PyTorch runs the
 backward hooks of every rank on the GPU's one autograd thread.
 
+Checkpoints: :meth:`ShardOptimizer.state_dict` is everything lowgrad holds for a rank (a
+``torch.distributed.checkpoint`` ``Stateful`` whose sharded tensors DCP reshards at any world);
+:func:`save_checkpoint` / :func:`load_checkpoint` write and read it in lowgrad's own crash-safe
+format (:mod:`lowgrad.checkpoint`). Model weights loaded after the optimizer exists take effect
+(the master weights follow them at the next step).
+
 Misuse raises: a block that produced no gradient, or only part of its gradients, in a micro-step
 (at the end of the ``with``), gradients of blocks out of backward order, a parameter shared
 between blocks or between a block and the rest, a model whose parameters changed after
@@ -595,7 +601,8 @@ class ShardOptimizer:
     or a step discarded after a fault on any rank): ``"skip"`` (the default, as
     ``torch.amp.GradScaler``) changes nothing and counts it in :attr:`skipped_steps`;
     ``"raise"`` changes nothing and raises :class:`lowgrad.NonFiniteGradientError`.
-    ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``)."""
+    ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``).
+    :meth:`state_dict` / :meth:`load_state_dict` checkpoint it with the manager (docs/torch.md)."""
 
     def __init__(self, attached: Attached, optimizer_cls: Any = None, master_weights: bool = True,
                  nonfinite: str = "skip", **optimizer_kwargs: Any) -> None:
