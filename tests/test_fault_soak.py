@@ -107,6 +107,7 @@ def test_killed_and_resumed_at_another_world_equals_the_reference(tmp_path: Path
     assert rc == 0 and r["ok"], r
     assert r["kills"] == 3 and r["mid_save_kills"] == 2, r["lives"]
     assert [lv["world"] for lv in r["lives"]] == [2, 1, 1, 1] and r["lives"][1]["resumed_from"] == 2
+    assert r["switched_at"] == 2
     assert any(lv["partial_left"] for lv in r["lives"])  # a cut save was left behind, and passed over
     for c in r["comparison"]:
         assert c["identical"] == c["total"] > 100 and c["max_abs_diff"] == 0.0, c

@@ -316,9 +316,16 @@ class Kill(NamedTuple):
 
 
 def kill_schedule(a: argparse.Namespace) -> list[Kill]:
+    """The kills, from ``--seed``; with ``--resume-world`` the first life dies after its first
+    checkpoint (not on a timer), so that the next life resumes a checkpoint of the other world."""
     rng = random.Random(f"{a.seed}/kills")
-    return [Kill(p, rng.randrange(1000, 12000) if p == "timer" else rng.randrange(2 * a.checkpoint_every))
-            for p in (rng.choice(KILL_POINTS) for _ in range(a.kills))]
+    kills = [Kill(p, rng.randrange(1000, 12000) if p == "timer" else rng.randrange(2 * a.checkpoint_every))
+             for p in (rng.choice(KILL_POINTS) for _ in range(a.kills))]
+    if kills and a.resume_world != a.world:
+        first = kills[0]
+        kills[0] = Kill("step" if first.point == "timer" else first.point,
+                        a.checkpoint_every + first.step % a.checkpoint_every)
+    return kills
 
 
 def die() -> None:
@@ -450,7 +457,9 @@ def kill_soak(a: argparse.Namespace, template: Any) -> int:
             got = torch.load(root / "final" / f"rank{r}.pt", weights_only=True)
             comparison.append({"rank": r, **compare(got, want)})
     ok = finished and bool(comparison) and all(c["identical"] == c["total"] for c in comparison)
+    switched = next((lv["resumed_from"] for lv in lives if lv["world"] != a.world), None)
     s = {"ok": ok, "mode": "kill", "world": a.world, "resume_world": a.resume_world, "steps": a.steps,
+         "switched_at": switched,
          "checkpoint_every": a.checkpoint_every, "seed": a.seed, "strategy": a.strategy, "dir": str(root),
          "lives": lives, "kills": sum(lv["killed"] for lv in lives),
          "mid_save_kills": sum(bool(lv["killed"] and lv["kill"] and lv["kill"]["point"].startswith("save"))
@@ -486,7 +495,9 @@ def kill_table(s: dict[str, Any]) -> str:
             f"CRASHED (exit {lv['rc']})"
         lines.append(f"life {i}: world {lv['world']}, resumed from step {lv['resumed_from']}, {how}"
                      + (f"; a cut save left {lv['partial_left']}" if lv["partial_left"] else ""))
-    lines.append(f"kills: {s['kills']} ({s['mid_save_kills']} in the middle of a save)")
+    lines.append(f"kills: {s['kills']} ({s['mid_save_kills']} in the middle of a save)"
+                 + (f"; world {s['resume_world']} from the world-{s['world']} checkpoint of step {s['switched_at']}"
+                    if s["switched_at"] is not None else ""))
     lines += [f"rank {c['rank']}: {c['identical']}/{c['total']} tensors identical to the uninterrupted run, max "
               f"|diff| {c['max_abs_diff']:g}" + (f", differ: {c['mismatched']}" if c["mismatched"] else "")
               for c in s["comparison"]]
