@@ -478,8 +478,16 @@ class ShardRows(torch.Tensor):
         r.local, r.global_shape, r.start = local.detach(), torch.Size(global_shape), start
         return r
 
+    # operations on it give plain tensors of the local rows (the wrapper is only for DCP's planner)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
     def size(self, dim: int | None = None) -> Any:
         return self.global_shape if dim is None else self.global_shape[dim]
+
+    # torch's own printing would index the local rows by the global size()
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"ShardRows(rows [{self.start}, {self.start + self.local.shape[0]}) of {tuple(self.global_shape)}, "
+                f"{self.local!r})")
 
     def _chunk(self) -> Any:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -780,7 +788,9 @@ class ShardOptimizer:
             "class": type(self.optimizer).__qualname__, "master_weights": self.master_weights,
             "skipped_steps": self.skipped_steps, "param_groups": json.dumps(groups, default=_json_scalar)}}
         for name, p, master in zip(self.names, self._module_params, self.params):
-            out[f"master.{name}"] = ShardRows(master.detach(), p.shape, self._row_start(p))
+            # a 0-d parameter is not split in rows: every rank holds it whole
+            out[f"master.{name}"] = ShardRows(master.detach(), p.shape, self._row_start(p)) if p.dim() \
+                else master.detach()
             for key, v in self.optimizer.state[master].items():
                 if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim():
                     v = ShardRows(v, p.shape, self._row_start(p))
