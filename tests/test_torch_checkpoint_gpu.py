@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_checkpoint_torch import Run, same
+from test_torch_checkpoint import Run, same
 
 import lowgrad as lg
 
