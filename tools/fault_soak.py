@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -465,6 +466,8 @@ def kill_soak(a: argparse.Namespace, template: Any) -> int:
          "mid_save_kills": sum(bool(lv["killed"] and lv["kill"] and lv["kill"]["point"].startswith("save"))
                                for lv in lives),
          "comparison": comparison, "seconds": round(time.perf_counter() - t0, 2)}
+    if ok and a.dir is None:  # its own temporary folder: kept only to look into a failure
+        shutil.rmtree(root)
     print(kill_table(s), flush=True)
     path = a.json or (os.path.join(os.environ["OUT"], "fault_soak.json") if os.environ.get("OUT") else None)
     if path:
@@ -530,7 +533,8 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     p.add_argument("--kills", type=int, default=0, help="the kill-and-resume soak: this many SIGKILLs (host backend)")
     p.add_argument("--checkpoint-every", type=int, default=2, help="kill soak: steps between checkpoints")
     p.add_argument("--resume-world", type=int, default=None, help="kill soak: the world of every life after the first")
-    p.add_argument("--dir", default=None, help="kill soak: where the checkpoints go (default: a new temporary dir)")
+    p.add_argument("--dir", default=None, help="kill soak: where the checkpoints go (default: a new temporary dir, "
+                                               "removed after a pass)")
     p.add_argument("--life", action="store_true", help=argparse.SUPPRESS)  # a kill soak's child
     p.add_argument("--die-at", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
