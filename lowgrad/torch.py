@@ -537,14 +537,15 @@ def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(a).to(like.device)
 
 
-def _as_rows(state: dict[str, Any]) -> dict[str, checkpoint.Rows]:
-    """The tensors of a :meth:`ShardOptimizer.state_dict` as the framework-free checkpoint's rows."""
+def _as_rows(state: dict[str, Any], data: bool = True) -> dict[str, checkpoint.Rows]:
+    """The tensors of a :meth:`ShardOptimizer.state_dict` as the framework-free checkpoint's rows
+    (``data=False``: templates of the right dtype and shape, nothing copied off the device)."""
     out = {}
     for key, v in state.items():
-        if isinstance(v, ShardRows):
-            out[key] = checkpoint.Rows(_to_numpy(v.local), tuple(v.global_shape), v.start)
-        elif isinstance(v, torch.Tensor):
-            out[key] = checkpoint.Rows(_to_numpy(v), tuple(v.shape))
+        if isinstance(v, torch.Tensor):
+            t = _local(v)
+            a = _to_numpy(t) if data else np.empty(tuple(t.shape), _to_numpy(t.new_empty(0)).dtype)
+            out[key] = checkpoint.Rows(a, tuple(v.size()), v.start if isinstance(v, ShardRows) else 0)
     return out
 
 
@@ -572,7 +573,7 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> 
         optimizer._check_optimizer(saved)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live))
+    found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live, data=False))
     state = {key: _from_numpy(found.arrays[key], _local(v)) if isinstance(v, torch.Tensor) else v
              for key, v in live.items()}
     state["manager"], state["optimizer"] = found.manager.portable(), saved
