@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,29 @@ def uninterrupted(world: int, steps: int = 4, **kw: Any) -> list[dict[str, Any]]
     return threads(world, job)
 
 
+def resumes_bit_for_bit(world: int, save: Any, load: Any, **kw: Any) -> None:
+    """A run of two steps ends with ``save(run, comm)``; a fresh run (other initial weights: the
+    checkpoint must carry them) starts with ``load(run, comm)`` and runs two more: equal, bit for
+    bit, to four uninterrupted steps (every tensor, the shards of the last step)."""
+    def first(c: Any) -> None:
+        r = Run(c, **kw)
+        r.train(range(2))
+        save(r, c)
+        r.close()
+
+    def second(c: Any) -> dict[str, Any]:
+        r = Run(c, **{**kw, "seed": 1})
+        load(r, c)
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(world, first)
+    for a, b in zip(uninterrupted(world, **kw), threads(world, second)):
+        same(a, b)
+
+
 CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
            ("all_to_all", True)]
 
@@ -128,23 +152,8 @@ CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize(("strategy", "offload"), CONFIGS)
 def test_save_checkpoint_resumes_bit_for_bit(tmp_path: Path, world: int, strategy: str, offload: bool) -> None:
-    def first(c: Any) -> None:
-        r = Run(c, strategy, offload)
-        r.train(range(2))
-        lt.save_checkpoint(tmp_path / "ck", r.opt)
-        r.close()
-
-    def second(c: Any) -> dict[str, Any]:
-        r = Run(c, strategy, offload, seed=1)  # other initial weights: the checkpoint must carry them
-        lt.load_checkpoint(tmp_path / "ck", r.opt)
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
-
-    threads(world, first)
-    for a, b in zip(uninterrupted(world, strategy=strategy, offload=offload), threads(world, second)):
-        same(a, b)
+    resumes_bit_for_bit(world, lambda r, c: lt.save_checkpoint(tmp_path / "ck", r.opt),
+                        lambda r, c: lt.load_checkpoint(tmp_path / "ck", r.opt), strategy=strategy, offload=offload)
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2), (4, 1), (1, 4), (2, 4), (4, 3)])
@@ -198,48 +207,20 @@ def test_save_checkpoint_loads_at_another_world(tmp_path: Path, saved: int, resu
 
 def test_without_master_weights_a_resume_is_bit_for_bit(tmp_path: Path) -> None:
     """master_weights=False: the checkpoint's weights are the module's bf16 rows."""
-    def first(c: Any) -> None:
-        r = Run(c, master_weights=False)
-        r.train(range(2))
-        lt.save_checkpoint(tmp_path / "ck", r.opt)
-        r.close()
-
-    def second(c: Any) -> dict[str, Any]:
-        r = Run(c, master_weights=False, seed=1)
-        lt.load_checkpoint(tmp_path / "ck", r.opt)
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
-
-    threads(2, first)
-    for a, b in zip(uninterrupted(2, master_weights=False), threads(2, second)):
-        same(a, b)
+    resumes_bit_for_bit(2, lambda r, c: lt.save_checkpoint(tmp_path / "ck", r.opt),
+                        lambda r, c: lt.load_checkpoint(tmp_path / "ck", r.opt), master_weights=False)
 
 
 def test_torch_save_of_the_state_dict_resumes_bit_for_bit_and_is_this_ranks(tmp_path: Path) -> None:
-    def first(c: Any) -> None:
-        r = Run(c)
-        r.train(range(2))
-        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
-        r.close()
-
-    def second(c: Any) -> dict[str, Any]:
-        r = Run(c, seed=1)
+    def load(r: Run, c: Any) -> None:
         before = r.snapshot()
         other = torch.load(tmp_path / f"rank{1 - c.rank}.pt", weights_only=False)
         with pytest.raises(lg.CheckpointError, match="this rank's are from"):
             r.opt.load_state_dict(other)  # another rank's rows: refused, nothing changed
         same(r.snapshot(), before)
         r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False))
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
 
-    threads(2, first)
-    for a, b in zip(uninterrupted(2), threads(2, second)):
-        same(a, b)
+    resumes_bit_for_bit(2, lambda r, c: torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt"), load)
 
 
 def test_model_weights_loaded_after_the_optimizer_take_effect(tmp_path: Path) -> None:
@@ -277,33 +258,21 @@ def test_model_weights_loaded_after_the_optimizer_take_effect(tmp_path: Path) ->
 def test_reloading_the_same_weights_after_a_checkpoint_keeps_the_master(tmp_path: Path) -> None:
     """load_checkpoint, then model.load_state_dict of the module saved with it (either order):
     the float32 master weights are kept, so the resume is still bit for bit."""
-    def first(c: Any) -> None:
-        r = Run(c)
-        r.train(range(2))
-        lt.save_checkpoint(tmp_path / "ck", r.opt)
+    def save(order: str, r: Run, c: Any) -> None:
+        lt.save_checkpoint(tmp_path / f"ck-{order}", r.opt)
         if c.rank == 0:
-            torch.save(r.model.state_dict(), tmp_path / "model.pt")
-        r.close()
+            torch.save(r.model.state_dict(), tmp_path / f"model-{order}.pt")
 
-    def second(order: str, c: Any) -> dict[str, Any]:
-        r = Run(c, seed=1)
-        weights = torch.load(tmp_path / "model.pt")
+    def load(order: str, r: Run, c: Any) -> None:
+        weights = torch.load(tmp_path / f"model-{order}.pt")
         if order == "model first":
             r.model.load_state_dict(weights)
-            lt.load_checkpoint(tmp_path / "ck", r.opt)
-        else:
-            lt.load_checkpoint(tmp_path / "ck", r.opt)
+        lt.load_checkpoint(tmp_path / f"ck-{order}", r.opt)
+        if order == "model last":
             r.model.load_state_dict(weights)
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
 
-    threads(2, first)
-    want = uninterrupted(2)
     for order in ("model first", "model last"):
-        for a, b in zip(want, threads(2, lambda c: second(order, c))):
-            same(a, b)
+        resumes_bit_for_bit(2, partial(save, order), partial(load, order))
 
 
 def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None:
@@ -348,14 +317,7 @@ def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None
 def test_a_state_refused_on_one_rank_is_refused_on_all(tmp_path: Path) -> None:
     """Rank 1 is handed a broken state, rank 0 a good one: both raise (no rank is left in the
     all-gather), nothing changed, and the corrected retry loads."""
-    def first(c: Any) -> None:
-        r = Run(c)
-        r.train(range(2))
-        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
-        r.close()
-
-    def second(c: Any) -> dict[str, Any]:
-        r = Run(c, seed=1)
+    def load(r: Run, c: Any) -> None:
         before = r.snapshot()
         sd = torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False)
         bad = {**sd, "optimizer": {**sd["optimizer"], "class": "SGD"}} if c.rank == 1 else sd
@@ -363,14 +325,8 @@ def test_a_state_refused_on_one_rank_is_refused_on_all(tmp_path: Path) -> None:
             r.opt.load_state_dict(bad)
         same(r.snapshot(), before)
         r.opt.load_state_dict(sd)
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
 
-    threads(2, first)
-    for a, b in zip(uninterrupted(2), threads(2, second)):
-        same(a, b)
+    resumes_bit_for_bit(2, lambda r, c: torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt"), load)
 
 
 def test_a_state_dict_waits_for_step() -> None:
@@ -389,24 +345,14 @@ def test_dcp_save_and_load_in_one_process_resume_bit_for_bit(tmp_path: Path) -> 
     """dcp.save / dcp.load of {"model": ..., "lowgrad": optimizer} (a Stateful) at world 1."""
     import torch.distributed.checkpoint as dcp
 
-    def first(c: Any) -> None:
-        r = Run(c)
-        r.train(range(2))
+    def save(r: Run, c: Any) -> None:
         dcp.save({"model": r.model.state_dict(), "lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
-        r.close()
 
-    def second(c: Any) -> dict[str, Any]:
-        r = Run(c, seed=1)
+    def load(r: Run, c: Any) -> None:
         dcp.load({"model": r.model.state_dict(), "lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
-        r.train(range(2, 4))
-        out = r.snapshot()
-        r.close()
-        return out
 
     with pytest.warns(UserWarning, match="single process"):
-        threads(1, first)
-        got = threads(1, second)
-    same(uninterrupted(1)[0], got[0])
+        resumes_bit_for_bit(1, save, load)
 
 
 _DCP_RANK = textwrap.dedent("""
