@@ -73,7 +73,10 @@ def test_a_recovery_that_does_not_discard_fails_the_soak(tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize("args", [["--world", "0"], ["--steps", "x"], ["--layers", "1"], ["--bogus"],
                                   ["--fault-rate", "2"], ["--world", "3"],  # 256 rows do not split in 3
-                                  ["--backend", "nccl"]])  # outside a launcher
+                                  ["--backend", "nccl"],  # outside a launcher
+                                  ["--kills", "-1"], ["--kills", "2", "--checkpoint-every", "0"],
+                                  ["--kills", "2", "--resume-world", "3"],  # nor do they at the resumed world
+                                  ["--kills", "2", "--backend", "cuda"]])  # the kill soak's ranks are threads
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
