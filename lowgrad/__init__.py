@@ -17,6 +17,7 @@ from typing import Any
 from lowgrad.core.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.core.errors import (
     CaptureError,
+    CheckpointError,
     ClosedError,
     CommAbortedError,
     CommTimeoutError,
@@ -79,5 +80,5 @@ __all__ = [
     # exceptions
     "LowgradError", "CudaError", "CudaUnavailableError", "NvrtcError", "NcclError", "NcclLibraryError",
     "CommTimeoutError", "CommAbortedError", "ClosedError", "CaptureError", "ProtocolError",
-    "NonFiniteGradientError",
+    "NonFiniteGradientError", "CheckpointError",
 ]

@@ -27,6 +27,12 @@ Ranks that share one GPU (the loopback communicator) deliver at the end of each 
 (see ``overlap`` in :func:`attach`): their collectives meet on the host, and PyTorch runs the
 backward hooks of every rank on the GPU's one autograd thread.
 
+Checkpoints: :meth:`ShardOptimizer.state_dict` is everything lowgrad holds for a rank (a
+``torch.distributed.checkpoint`` ``Stateful`` whose sharded tensors DCP reshards at any world);
+:func:`save_checkpoint` / :func:`load_checkpoint` write and read it in lowgrad's own crash-safe
+format (:mod:`lowgrad.checkpoint`). Model weights loaded after the optimizer exists take effect
+(the master weights follow them at the next step).
+
 Misuse raises: a block that produced no gradient, or only part of its gradients, in a micro-step
 (at the end of the ``with``), gradients of blocks out of backward order, a parameter shared
 between blocks or between a block and the rest, a model whose parameters changed after
@@ -35,21 +41,28 @@ a backward outside ``micro_step``.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from time import perf_counter_ns
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 import torch
 
-from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
+from lowgrad import checkpoint
+from lowgrad.core.errors import CheckpointError, NonFiniteGradientError, ProtocolError
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
+from lowgrad.managers.state import ManagerState, resume_state
 from lowgrad.managers.stats import StatsReading
 
 __all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES"]
@@ -453,6 +466,128 @@ def _positive_finite(what: str, value: Any) -> float:
     return float(value)
 
 
+class ShardRows(torch.Tensor):
+    """This rank's rows ``[start, start + local.shape[0])`` of a parameter-shaped tensor of
+    ``global_shape``, as :meth:`ShardOptimizer.state_dict` returns them: ``size()`` is the global
+    shape, and the three methods ``torch.distributed.checkpoint`` asks a DTensor for
+    (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``) describe
+    and hand over the local rows, so ``dcp.save`` writes each rank's rows as one chunk of the
+    whole tensor and ``dcp.load`` fills them from whichever chunks overlap them: resharding at
+    any world, with no process group of its own and no DTensor mesh. ``local`` is the tensor
+    itself (the live rows); anything else should read it, not this wrapper."""
+
+    local: torch.Tensor
+    global_shape: torch.Size
+    start: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, global_shape: Any, start: int) -> ShardRows:
+        r = torch.Tensor._make_subclass(cls, local.detach())
+        r.local, r.global_shape, r.start = local.detach(), torch.Size(global_shape), start
+        return r
+
+    # operations on it give plain tensors of the local rows (the wrapper is only for DCP's planner)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.global_shape if dim is None else self.global_shape[dim]
+
+    # torch's own printing would index the local rows by the global size()
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"ShardRows(rows [{self.start}, {self.start + self.local.shape[0]}) of {tuple(self.global_shape)}, "
+                f"{self.local!r})")
+
+    def _chunk(self) -> Any:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        offsets = torch.Size([self.start] + [0] * (len(self.global_shape) - 1))
+        return ChunkStorageMetadata(offsets=offsets, sizes=self.local.size())
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        chunk = self._chunk()
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, size=self.global_shape,
+                                                      properties=TensorProperties.create_from_tensor(self.local)))]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self.local
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save keeps what it is: the rows and their place
+        return ShardRows, (self.local, tuple(self.global_shape), self.start)
+
+
+def _local(t: Any) -> Any:
+    """The rows a state-dict value holds (a :class:`ShardRows`' local tensor, else the value)."""
+    return t.local if isinstance(t, ShardRows) else t
+
+
+def _json_scalar(v: Any) -> Any:
+    """A param group's hyper-parameter that JSON cannot hold as is: a one-element tensor (lr)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    raise TypeError(f"a param group value of type {type(v).__name__} cannot be saved in a checkpoint")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: its bits, as ml_dtypes' bfloat16
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(like.device)
+    return torch.from_numpy(a).to(like.device)
+
+
+def _as_rows(state: dict[str, Any], data: bool = True) -> dict[str, checkpoint.Rows]:
+    """The tensors of a :meth:`ShardOptimizer.state_dict` as the framework-free checkpoint's rows
+    (``data=False``: templates of the right dtype and shape, nothing copied off the device)."""
+    out = {}
+    for key, v in state.items():
+        if isinstance(v, torch.Tensor):
+            t = _local(v)
+            a = _to_numpy(t) if data else np.empty(tuple(t.shape), _to_numpy(t.new_empty(0)).dtype)
+            out[key] = checkpoint.Rows(a, tuple(v.size()), v.start if isinstance(v, ShardRows) else 0)
+    return out
+
+
+def save_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> Path:
+    """Save everything lowgrad holds for the run (:meth:`ShardOptimizer.state_dict` of every
+    rank: master weights, optimizer state, manager state) in lowgrad's own format
+    (:func:`lowgrad.checkpoint.save`): a directory that appears whole or not at all, every chunk
+    checksummed, loadable at any world by :func:`load_checkpoint`. A collective, between steps;
+    ``path`` must not exist. The model's buffers and anything else of the run are the caller's to
+    save (``torch.save(model.state_dict(), ...)`` from one rank)."""
+    state = optimizer.state_dict()
+    return checkpoint.save(path, optimizer.attached.gm, _as_rows(state), {"optimizer": state["optimizer"]})
+
+
+def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> None:
+    """Load a :func:`save_checkpoint` saved at any world into ``optimizer`` (and its manager, and
+    the module's trainable parameters, which get the master weights): this rank's rows read from
+    whichever ranks' files hold them, every byte checked first; CheckpointError on every rank
+    (naming the file and what is wrong) for a missing, half-written, truncated, corrupted or
+    foreign checkpoint, with nothing changed. A collective, between steps."""
+    live = optimizer.state_dict()
+    # the optimizer first (its class, master_weights): a clearer refusal than the arrays' dtypes
+    saved = checkpoint.read_manifest(path)["meta"].get("optimizer")
+    try:
+        optimizer._check_optimizer(saved)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live, data=False))
+    state = {key: _from_numpy(found.arrays[key], _local(v)) if isinstance(v, torch.Tensor) else v
+             for key, v in live.items()}
+    state["manager"], state["optimizer"] = found.manager.portable(), saved
+    optimizer.load_state_dict(state)
+
+
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -484,7 +619,8 @@ class ShardOptimizer:
     or a step discarded after a fault on any rank): ``"skip"`` (the default, as
     ``torch.amp.GradScaler``) changes nothing and counts it in :attr:`skipped_steps`;
     ``"raise"`` changes nothing and raises :class:`lowgrad.NonFiniteGradientError`.
-    ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``)."""
+    ``optimizer_kwargs`` go to ``optimizer_cls`` (e.g. ``lr``, ``weight_decay``, ``foreach``).
+    :meth:`state_dict` / :meth:`load_state_dict` checkpoint it with the manager (docs/torch.md)."""
 
     def __init__(self, attached: Attached, optimizer_cls: Any = None, master_weights: bool = True,
                  nonfinite: str = "skip", **optimizer_kwargs: Any) -> None:
@@ -507,6 +643,11 @@ class ShardOptimizer:
         #: the global gradient norm of the last step (finite or not)
         self.last_norm = math.nan
         self._stepped: int | None = None  # the manager's step count when step() last ran
+        self._first_step = attached.gm.step  # before any step(): no completed step is waiting
+        full = {id(p): n for n, p in attached.model.named_parameters()}
+        #: the module's name of each parameter, in the order of :attr:`params` (the checkpoint's keys)
+        self.names = [full[id(p)] for p in self._module_params]
+        self._versions = self._module_versions()  # see _follow_module
         # the all-gather after each step: parameters packed in order into buckets of the biggest
         # parameter's size, each bucket one grouped NCCL launch (not one launch per parameter)
         biggest = max(p.numel() for p in self._module_params)
@@ -542,6 +683,7 @@ class ShardOptimizer:
         if att.gm.step == self._stepped:  # the shards still hold the step already applied (or skipped)
             raise ProtocolError(f"ShardOptimizer.step: no step has completed since the last call (the manager is "
                                 f"at step {att.gm.step}): its gradients would be applied twice")
+        self._follow_module()
         norm = math.sqrt(float(att.grad_norm_squared()))  # float64 from the float32 sum of squares
         coef = 1.0 if max_norm is None or not math.isfinite(norm) else min(1.0, max_norm / (norm + eps))
         self.last_norm, self._stepped = norm, att.gm.step
@@ -564,13 +706,203 @@ class ShardOptimizer:
         self.optimizer.step()
         for param in self.params:
             param.grad = None
+        self._publish()
+        return True
+
+    def _publish(self) -> None:
+        """The module gets the master weights (rounded to nearest) and, at world > 1, every
+        rank's rows (all-gathered); the module's versions are recorded after these writes."""
         with torch.no_grad():
             if self.master_weights:
                 torch._foreach_copy_(self._module_rows, self.params)
             if self._gather is not None:
                 for bucket in self._buckets:
                     self._all_gather([(self._module_params[i], offset) for i, offset in bucket])
-        return True
+        self._versions = self._module_versions()
+
+    def _module_versions(self) -> list[int]:
+        return [p._version for p in self._module_params]
+
+    def _follow_module(self) -> None:
+        """Master weights follow the module where it was written since the optimizer last wrote it
+        (``model.load_state_dict`` after the optimizer was built, an in-place init): a parameter
+        whose version moved and whose rows differ from the rounded master weights gets its master
+        rows from the module. Rows equal to the rounded master (the same checkpoint loaded again)
+        keep the master's float32 bits. Writes that bypass the version counter (``p.data.copy_``)
+        are not seen: see docs/torch.md."""
+        if not self.master_weights:  # the optimizer updates the module's own rows: nothing to follow
+            return
+        versions = self._module_versions()
+        if versions == self._versions:
+            return
+        with torch.no_grad():
+            for i, (was, now) in enumerate(zip(self._versions, versions)):
+                rows, master = self._module_rows[i], self.params[i]
+                if was != now and not torch.equal(rows, master.to(rows.dtype)):
+                    master.copy_(rows)
+        self._versions = versions
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def _row_start(self, p: torch.Tensor) -> int:
+        return self.rank * (p.shape[0] // self.world)
+
+    def _pending(self) -> bool:
+        """Whether a completed step's gradients wait for :meth:`step` (they are in no checkpoint)."""
+        return self.attached.gm.step != (self._first_step if self._stepped is None else self._stepped)
+
+    def _init_state(self) -> None:
+        """The optimizer's state created before its first step, as its fresh state (zeros), so that
+        a state dict has every key from the start (a template for ``dcp.load``): one step with zero
+        gradients at lr 0 (as torch.distributed.checkpoint.state_dict does), then the parameters
+        restored and every state tensor zeroed (AdamW's first step from zeros is its first step
+        from nothing, bit for bit)."""
+        if all(p in self.optimizer.state for p in self.params):
+            return
+        saved = [p.detach().clone() for p in self.params]
+        lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            with torch.no_grad():
+                for p, was in zip(self.params, saved):
+                    p.grad = None
+                    p.copy_(was)
+                for st in self.optimizer.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything lowgrad holds for this rank, between steps (after :meth:`step`): the
+        manager's state (``"manager"``: strategy, rounding, base seed, step), the optimizer's
+        (``"optimizer"``: class, ``master_weights``, ``skipped_steps``, its param groups' hyper-
+        parameters as JSON), and tensors: ``"master.<parameter name>"`` (this rank's rows of the
+        master weights, or of the module where ``master_weights=False``) and ``"state.<parameter
+        name>.<key>"`` (the optimizer's state: ``exp_avg``, ``exp_avg_sq``, ``step`` for AdamW).
+        Row-sharded tensors are :class:`ShardRows` (this rank's rows and where they sit in the
+        whole parameter), which ``torch.distributed.checkpoint`` saves and reshards like DTensor
+        shards; the others are the same on every rank. The tensors are the live ones (as
+        ``torch.optim.Optimizer.state_dict`` returns): clone them to keep a copy. The optimizer's
+        state is created (zeros) if no step ran yet, so the dict is a template to load into.
+        ProtocolError inside a step, or when a completed step waits for :meth:`step`."""
+        if self._pending():
+            raise ProtocolError(f"ShardOptimizer.state_dict: step {self.attached.gm.step - 1} completed but step() "
+                                "has not applied it: call step() first (a checkpoint holds no gradients)")
+        manager = ManagerState.parse(self.attached.gm.state_dict()).portable()
+        self._init_state()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        out: dict[str, Any] = {"manager": manager, "optimizer": {
+            "class": type(self.optimizer).__qualname__, "master_weights": self.master_weights,
+            "skipped_steps": self.skipped_steps, "param_groups": json.dumps(groups, default=_json_scalar)}}
+        for name, p, master in zip(self.names, self._module_params, self.params):
+            # a 0-d parameter is not split in rows: every rank holds it whole
+            out[f"master.{name}"] = ShardRows(master.detach(), p.shape, self._row_start(p)) if p.dim() \
+                else master.detach()
+            for key, v in self.optimizer.state[master].items():
+                if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim():
+                    v = ShardRows(v, p.shape, self._row_start(p))
+                out[f"state.{name}.{key}"] = v
+        return out
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore a :meth:`state_dict` saved at this rank and world (``torch.save``), or one that
+        ``dcp.load`` filled in (any world: DCP reshards), or one :func:`load_checkpoint` read.
+        Everything is checked first (CheckpointError naming the entry: a key missing or unknown,
+        another optimizer class, a shape, dtype or row range that is not this rank's, a manager
+        of another strategy); then the manager's state, the master weights, the optimizer's state
+        and hyper-parameters are set, and the module gets the master weights (rounded; every
+        rank's rows all-gathered: a collective). Between steps."""
+        if not isinstance(state, dict):
+            raise TypeError(f"ShardOptimizer.load_state_dict: state must be a dict from state_dict(), got "
+                            f"{type(state).__name__}")
+        if self._pending():
+            raise ProtocolError("ShardOptimizer.load_state_dict: a completed step waits for step(): call step() "
+                                "first, or load between steps")
+        gm = self.attached.gm
+        live = self.state_dict()  # the keys and live tensors to fill (ProtocolError inside a step)
+        # every rank's verdict before anything changes: a state refused on one rank is refused on all
+        saved, opt, groups, copies = checkpoint.agree(gm.comm, partial(self._check_state, state, live),
+                                                      "ShardOptimizer.load_state_dict")
+        # checked: from here on nothing fails but the collective
+        gm.load_state_dict(saved.as_dict())
+        with torch.no_grad():
+            for want, got in copies:
+                if want.data_ptr() != got.data_ptr():
+                    want.copy_(got)
+        for g, saved_group in zip(self.optimizer.param_groups, groups):
+            for k, v in saved_group.items():
+                if isinstance(g[k], torch.Tensor):  # a tensor lr stays a tensor (capturable, compiled steps)
+                    g[k].fill_(v)
+                else:
+                    g[k] = tuple(v) if isinstance(g[k], tuple) else v  # JSON made the betas a list
+        self.skipped_steps, self.last_norm, self._stepped = opt["skipped_steps"], math.nan, gm.step
+        self._publish()
+
+    def _check_state(self, state: dict[str, Any], live: dict[str, Any]
+                     ) -> tuple[ManagerState, dict[str, Any], list[dict[str, Any]], list[tuple[torch.Tensor, Any]]]:
+        """``state`` checked against this rank's ``live`` state dict: the manager's state placed here,
+        the optimizer entry, its param groups and the (live, loaded) tensor pairs to copy."""
+        gm = self.attached.gm
+        missing, unknown = live.keys() - state.keys(), state.keys() - live.keys()
+        if missing or unknown:
+            raise CheckpointError(f"ShardOptimizer.load_state_dict: keys missing {sorted(missing)[:4]}, unknown "
+                                  f"{sorted(unknown)[:4]} (another model or optimizer?)")
+        try:
+            saved = resume_state(state["manager"], gm)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"ShardOptimizer.load_state_dict: 'manager': {e}") from None
+        opt, groups = self._check_optimizer(state["optimizer"])
+        copies: list[tuple[torch.Tensor, Any]] = []
+        for key, want in live.items():
+            if key in ("manager", "optimizer"):
+                continue
+            got = state[key]
+            if isinstance(want, ShardRows):
+                if isinstance(got, ShardRows) and (got.global_shape, got.start) != (want.global_shape, want.start):
+                    raise CheckpointError(f"ShardOptimizer.load_state_dict: {key!r} holds rows from {got.start} of "
+                                          f"{tuple(got.global_shape)}; this rank's are from {want.start} of "
+                                          f"{tuple(want.global_shape)} (load another world's state through "
+                                          "dcp.load or load_checkpoint, which reshard)")
+                got, want = _local(got), want.local
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+                what = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+                raise CheckpointError(f"ShardOptimizer.load_state_dict: {key!r} is {what}, this rank's is "
+                                      f"{want.dtype} {tuple(want.shape)}")
+            copies.append((want, got))
+        return saved, opt, groups, copies
+
+    def _check_optimizer(self, opt: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The ``"optimizer"`` entry checked against this optimizer, and its param groups."""
+        where = "ShardOptimizer.load_state_dict: 'optimizer'"
+        if not isinstance(opt, dict) or set(opt) != {"class", "master_weights", "skipped_steps", "param_groups"}:
+            got = sorted(opt) if isinstance(opt, dict) else type(opt).__name__
+            raise CheckpointError(f"{where} is not a ShardOptimizer's ({got})")
+        if opt["class"] != type(self.optimizer).__qualname__:
+            raise CheckpointError(f"{where}: saved from {opt['class']}, this optimizer is "
+                                  f"{type(self.optimizer).__qualname__}")
+        if opt["master_weights"] is not self.master_weights:
+            raise CheckpointError(f"{where}: saved with master_weights={opt['master_weights']}, this optimizer has "
+                                  f"master_weights={self.master_weights}")
+        skipped = opt["skipped_steps"]
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise CheckpointError(f"{where}: skipped_steps {skipped!r} is not a non-negative int")
+        try:
+            groups = json.loads(opt["param_groups"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: param_groups is not JSON ({e})") from None
+        mine = self.optimizer.param_groups
+        if not isinstance(groups, list) or len(groups) != len(mine) or not all(
+                isinstance(g, dict) and set(g) == set(m) - {"params"} for g, m in zip(groups, mine)):
+            raise CheckpointError(f"{where}: param_groups do not match this optimizer's (their number or keys)")
+        return opt, groups
 
     def _all_gather(self, bucket: list[tuple[torch.Tensor, int]]) -> None:
         """Every rank's updated rows of the bucket's parameters into every rank's parameters:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,10 @@ def test_a_recovery_that_does_not_discard_fails_the_soak(tmp_path: Path, monkeyp
 @pytest.mark.parametrize("args", [["--world", "0"], ["--steps", "x"], ["--layers", "1"], ["--bogus"],
                                   ["--fault-rate", "2"], ["--world", "3"],  # 256 rows do not split in 3
                                   ["--backend", "nccl"],  # outside a launcher
-                                  ["--group-size", "2"], ["--strategy", "hierarchical", "--group-size", "0"]])
+                                  ["--group-size", "2"], ["--strategy", "hierarchical", "--group-size", "0"],
+                                  ["--kills", "-1"], ["--kills", "2", "--checkpoint-every", "0"],
+                                  ["--kills", "2", "--resume-world", "3"],  # nor do they at the resumed world
+                                  ["--kills", "2", "--backend", "cuda"]])  # the kill soak's ranks are threads
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
@@ -100,3 +104,30 @@ def test_a_missing_gpu_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]
     assert soak.main(["--backend", "cuda", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fault_soak: error: ") and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.environ.get("LOWGRAD_SLOW_TESTS"), reason="slow (about 40 s on 2 cores): "
+                    "set LOWGRAD_SLOW_TESTS=1")
+def test_killed_and_resumed_at_another_world_equals_the_reference(tmp_path: Path) -> None:
+    """The kill-and-resume soak, small: a world-2 run killed with SIGKILL in the middle of two
+    saves (a rank's file, the manifest) and on a timer, resumed at world 1 from the last good
+    checkpoint, ends bit for bit equal to world 2 up to that checkpoint and world 1 from it; and
+    the comparison is live: the reference that switched worlds at another step differs."""
+    out = tmp_path / "soak.json"
+    rc = soak.main(["--backend", "host", "--kills", "3", "--world", "2", "--resume-world", "1", "--steps", "6",
+                    "--micro-steps", "2", "--checkpoint-every", "2", "--seed", "3", "--dir", str(tmp_path / "run"),
+                    "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["ok"], r
+    assert r["kills"] == 3 and r["mid_save_kills"] == 2, r["lives"]
+    assert [lv["world"] for lv in r["lives"]] == [2, 1, 1, 1] and r["lives"][1]["resumed_from"] == 2
+    assert r["switched_at"] == 2
+    assert any(lv["partial_left"] for lv in r["lives"])  # a cut save was left behind, and passed over
+    for c in r["comparison"]:
+        assert c["identical"] == c["total"] > 100 and c["max_abs_diff"] == 0.0, c
+    a, _, template = soak.setup(["--backend", "host", "--world", "2", "--resume-world", "1", "--steps", "6",
+                                 "--micro-steps", "2", "--seed", "3", "--checkpoint-every", "2"])
+    other = soak.kill_reference(a, template, tmp_path / "other", 4)  # switched at step 4, not 2
+    got = soak.torch.load(tmp_path / "run" / "final" / "rank0.pt", weights_only=True)
+    assert soak.compare(got, other[0])["max_abs_diff"] > 0

@@ -1,7 +1,7 @@
 """The package's folders are its layers; this test holds the import rules.
 
 ``core`` < (``sr`` | ``diagnostics``) < (``ops`` | ``cuda`` | ``host``) < (``launch`` | ``managers``) <
-(``cli`` | ``torch``):
+``checkpoint`` < (``cli`` | ``torch``):
 a module may import its own layer and the layers its row allows, nothing else (imports inside
 functions and under ``TYPE_CHECKING`` count too), and the module graph has no cycles.
 """
@@ -21,8 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "managers": {"core", "sr", "ops", "diagnostics", "managers"},
     "launch": {"core", "sr", "cuda", "host", "launch"},  # starting ranks: the one layer that picks a backend
     "diagnostics": {"core", "diagnostics"},
-    "cli": {"core", "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "cli"},
-    "torch": {"core", "sr", "ops", "managers", "diagnostics", "torch"},  # the PyTorch adapter (imports torch)
+    "checkpoint": {"core", "managers", "checkpoint"},  # every rank's state on disk (no backend)
+    "cli": {"core", "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "checkpoint", "cli"},
+    "torch": {"core", "sr", "ops", "managers", "diagnostics", "checkpoint", "torch"},  # the PyTorch adapter
 }
 TOP = {"__init__", "__main__"}  # the public front: may import anything
 

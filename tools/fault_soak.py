@@ -15,6 +15,18 @@ refused with nothing changed before the right call. The first four skip the step
     python3 tools/fault_soak.py --backend cuda --world 4 --steps 200  (one GPU; world > 1: loopback)
     torchrun --nproc-per-node 2 tools/fault_soak.py --backend nccl    (one process per GPU)
 
+With ``--kills K`` it is the kill-and-resume soak instead (no injected faults): the run trains in a
+child process that checkpoints every ``--checkpoint-every`` steps (``lowgrad.torch.save_checkpoint``)
+and is killed with SIGKILL ``K`` times at points drawn from ``--seed``: in the middle of a step, half
+way through writing a rank's file or the manifest of a save, just before a save is published, or
+by the parent on a timer. Each new life resumes from ``lowgrad.checkpoint.latest`` (the lives after
+the first at ``--resume-world``); at the end every rank's weights, master weights, AdamW state and
+manager step must equal, bit for bit, an uninterrupted run (for a resume at another world: the
+world-N run up to the checkpoint resumed, then a world-M run from it).
+
+    python3 tools/fault_soak.py --kills 6 --world 2 --steps 24 --checkpoint-every 3
+    python3 tools/fault_soak.py --kills 6 --world 2 --resume-world 4 --steps 24
+
 Exit 0: every fault survived and every tensor identical; 1 otherwise; 2: bad arguments, no GPU.
 """
 from __future__ import annotations
@@ -25,7 +37,11 @@ import json
 import math
 import os
 import random
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -50,6 +66,8 @@ try:  # the soak trains through lowgrad.torch: without PyTorch and transformers,
 except ImportError as _exc:
     _MISSING = f"needs PyTorch and transformers ({_exc}): pip install \".[torch]\" transformers"
 
+from lowgrad import checkpoint  # noqa: E402
+from lowgrad.checkpoint import durable  # noqa: E402
 from lowgrad.managers import STRATEGIES  # noqa: E402
 
 KINDS = ("nonfinite", "forward", "backward", "data", "badarg")
@@ -209,15 +227,21 @@ def train(comm: Any, a: argparse.Namespace, template: Any, device: torch.device,
             if f is not None:
                 survived = rec["ok"] and applied[-1] == (f.kind == "badarg")
                 records.append({**rec, "applied": applied[-1], "survived": survived})
-        state = {f"param.{n}": p.detach() for n, p in model.named_parameters()}
-        state |= {f"master.{i}": p.detach() for i, p in enumerate(opt.params)}
-        for i, p in enumerate(opt.params):  # exp_avg, exp_avg_sq, step
-            state |= {f"adamw.{i}.{k}": torch.as_tensor(v) for k, v in opt.optimizer.state.get(p, {}).items()}
-        state = {k: v.cpu().clone() for k, v in state.items()} | {"gm.step": torch.tensor(att.gm.step)}
-        return {"state": state, "applied": applied, "records": records, "skipped_steps": opt.skipped_steps}
+        return {"state": final_state(att, opt), "applied": applied, "records": records,
+                "skipped_steps": opt.skipped_steps}
     finally:
         opt.close()
         att.close()
+
+
+def final_state(att: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """What the runs are compared on: the module's weights, the master weights, AdamW's state, the
+    manager's step."""
+    state = {f"param.{n}": p.detach() for n, p in att.model.named_parameters()}
+    state |= {f"master.{i}": p.detach() for i, p in enumerate(opt.params)}
+    for i, p in enumerate(opt.params):  # exp_avg, exp_avg_sq, step
+        state |= {f"adamw.{i}.{k}": torch.as_tensor(v) for k, v in opt.optimizer.state.get(p, {}).items()}
+    return {k: v.cpu().clone() for k, v in state.items()} | {"gm.step": torch.tensor(att.gm.step)}
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -285,6 +309,209 @@ def table(s: dict[str, Any]) -> str:
     return "\n".join([*lines, "PASS" if s["ok"] else "FAIL"])
 
 
+# ---- the kill-and-resume soak ---------------------------------------------------------------
+#: where a life dies: in a step's backward, half way through a rank's file or the manifest of a save,
+#: just before a save is published (the rename), or when the parent's timer runs out
+KILL_POINTS = ("step", "save-file", "save-manifest", "save-publish", "timer")
+
+
+class Kill(NamedTuple):
+    point: str
+    step: int  # the steps into its life (from the checkpoint it resumed) it dies at; timer: ms after the start
+
+
+def kill_schedule(a: argparse.Namespace) -> list[Kill]:
+    """The kills, from ``--seed``; with ``--resume-world`` the first life dies after its first
+    checkpoint (not on a timer), so that the next life resumes a checkpoint of the other world."""
+    rng = random.Random(f"{a.seed}/kills")
+    kills = [Kill(p, rng.randrange(1000, 12000) if p == "timer" else rng.randrange(2 * a.checkpoint_every))
+             for p in (rng.choice(KILL_POINTS) for _ in range(a.kills))]
+    if kills and a.resume_world != a.world:
+        first = kills[0]
+        kills[0] = Kill("step" if first.point == "timer" else first.point,
+                        a.checkpoint_every + first.step % a.checkpoint_every)
+    return kills
+
+
+def die() -> None:
+    """SIGKILL to this process: no exception, no finally, no flush (as a preemption or OOM kill)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm_kill(kill: Kill, world: int, steps_done: Callable[[], int]) -> None:
+    """Make this life's process die at ``kill`` inside the first save at or after its step: the
+    checkpoint's file writes and its publish are wrapped (threads share them)."""
+    write, publish = durable.write_file, durable.publish
+
+    def armed() -> bool:
+        return steps_done() > kill.step
+
+    def dying_write(path: Path, chunks: list[Any]) -> None:
+        target = "manifest.json" if kill.point == "save-manifest" else f"rank-{kill.step % world:05d}.bin"
+        if kill.point in ("save-file", "save-manifest") and path.name == target and armed():
+            data = b"".join(bytes(c) for c in chunks)
+            with open(path, "wb") as fh:  # half of it reaches the disk
+                fh.write(data[:len(data) // 2])
+                fh.flush()
+                os.fsync(fh.fileno())
+            die()
+        write(path, chunks)
+
+    def dying_publish(tmp: Path, final: Path) -> None:
+        if kill.point == "save-publish" and armed():
+            die()
+        publish(tmp, final)
+
+    durable.write_file, durable.publish = dying_write, dying_publish
+
+
+def life(comm: Any, a: argparse.Namespace, template: Any, ckdir: Path | None, stop: int,
+         kill: Kill | None) -> dict[str, torch.Tensor]:
+    """One life of the run: resume from the latest checkpoint in ``ckdir`` (if any), train to step
+    ``stop`` saving every ``--checkpoint-every`` steps (and at ``stop``), return the final state."""
+    model = copy.deepcopy(template)
+    att = lowgrad.torch.attach(model, comm, strategy=a.strategy, seed=a.seed)
+    opt = lowgrad.torch.ShardOptimizer(att, torch.optim.AdamW, master_weights=True, lr=1e-3, weight_decay=0.1)
+    try:
+        last = checkpoint.latest(ckdir) if ckdir is not None else None
+        if last is not None:
+            lowgrad.torch.load_checkpoint(last, opt)
+        for step in range(att.gm.step, stop):
+            for m in range(a.micro_steps):
+                x, y = batch(a, comm.rank, step, m)
+                with att.micro_step(m, a.micro_steps):
+                    logits = att.model(input_ids=x).logits
+                    (torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
+                     / a.micro_steps).backward()
+                if kill is not None and kill.point == "step" and kill.step == step and comm.rank == 0:
+                    die()  # between micro-steps of a step: no save can be under way
+            opt.step(max_norm=1.0)
+            if ckdir is not None and ((step + 1) % a.checkpoint_every == 0 or step + 1 == stop):
+                lowgrad.torch.save_checkpoint(ckdir / f"step-{step + 1:06d}", opt)
+        return final_state(att, opt)
+    finally:
+        opt.close()
+        att.close()
+
+
+def child(a: argparse.Namespace, template: Any) -> int:
+    """A life in its own process (``--life``): its final state, once it gets there, to ``--dir``/final."""
+    root = Path(a.dir)
+    last = checkpoint.latest(root / "ck")
+    start = 0 if last is None else checkpoint.read_manifest(last)["manager"]["step"]
+    point, _, step = (a.die_at or "").partition(":")
+    kill = Kill(point, start + int(step)) if a.die_at else None  # the step of the whole run it dies at
+    done = [0]
+    if kill is not None:
+        arm_kill(kill, a.world, lambda: done[0])
+
+    def job(c: Any) -> dict[str, torch.Tensor]:
+        return life(c, a, template, root / "ck", a.steps, kill)
+    if kill is not None and kill.point.startswith("save"):  # count the steps done through the saves
+        save = lowgrad.torch.save_checkpoint
+
+        def counting(path: Any, opt: Any) -> Path:
+            done[0] = opt.attached.gm.step
+            return save(path, opt)
+        lowgrad.torch.save_checkpoint = counting  # type: ignore[assignment]
+    states = lg.run_threads(a.world, job, backend="host", timeout=a.timeout)
+    (root / "final").mkdir(exist_ok=True)
+    for r, st in enumerate(states):
+        torch.save(st, root / "final" / f"rank{r}.pt")
+    return 0
+
+
+def kill_soak(a: argparse.Namespace, template: Any) -> int:
+    """The parent: lives in child processes until one finishes, then the comparison."""
+    t0 = time.perf_counter()
+    root = Path(a.dir or tempfile.mkdtemp(prefix="lowgrad-kill-soak-"))
+    (root / "ck").mkdir(parents=True, exist_ok=True)
+    passed = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("steps", "micro_steps", "seed", "strategy", "hidden",
+                                                                   "layers", "seq", "batch", "timeout",
+                                                                   "checkpoint_every")]
+    passed += [] if a.group_size is None else [f"--group-size={a.group_size}"]
+    lives: list[dict[str, Any]] = []
+    for kill in [*kill_schedule(a), None]:
+        world = a.world if not lives else a.resume_world
+        last = checkpoint.latest(root / "ck")
+        start = 0 if last is None else checkpoint.read_manifest(last)["manager"]["step"]
+        cmd = [sys.executable, str(Path(__file__).resolve()), *passed, "--life", "--world", str(world),
+               "--dir", str(root)]
+        if kill is not None and kill.point != "timer":
+            cmd += ["--die-at", f"{kill.point}:{kill.step}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            out = proc.communicate(timeout=kill.step / 1000 if kill is not None and kill.point == "timer" else None)[0]
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            out = proc.communicate()[0]
+        killed = proc.returncode == -signal.SIGKILL
+        lives.append({"world": world, "resumed_from": start, "kill": None if kill is None else kill._asdict(),
+                      "killed": killed, "rc": proc.returncode,
+                      "partial_left": sorted(d.name for d in (root / "ck").iterdir() if d.name.endswith(".partial"))})
+        if proc.returncode == 0:
+            break
+        if not killed:  # a life that crashed (not killed): the soak failed
+            print(out.decode(errors="replace"), file=sys.stderr)
+            break
+    finished = lives[-1]["rc"] == 0
+    comparison: list[dict[str, Any]] = []
+    if finished:
+        switch = next((lv["resumed_from"] for lv in lives[1:]), 0)
+        reference = kill_reference(a, template, root, switch if a.resume_world != a.world else a.steps)
+        for r, want in enumerate(reference):
+            got = torch.load(root / "final" / f"rank{r}.pt", weights_only=True)
+            comparison.append({"rank": r, **compare(got, want)})
+    ok = finished and bool(comparison) and all(c["identical"] == c["total"] for c in comparison)
+    switched = next((lv["resumed_from"] for lv in lives if lv["world"] != a.world), None)
+    s = {"ok": ok, "mode": "kill", "world": a.world, "resume_world": a.resume_world, "steps": a.steps,
+         "switched_at": switched,
+         "checkpoint_every": a.checkpoint_every, "seed": a.seed, "strategy": a.strategy, "dir": str(root),
+         "lives": lives, "kills": sum(lv["killed"] for lv in lives),
+         "mid_save_kills": sum(bool(lv["killed"] and lv["kill"] and lv["kill"]["point"].startswith("save"))
+                               for lv in lives),
+         "comparison": comparison, "seconds": round(time.perf_counter() - t0, 2)}
+    if ok and a.dir is None:  # its own temporary folder: kept only to look into a failure
+        shutil.rmtree(root)
+    print(kill_table(s), flush=True)
+    path = a.json or (os.path.join(os.environ["OUT"], "fault_soak.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(s, fh, indent=1)
+    return 0 if ok else 1
+
+
+def kill_reference(a: argparse.Namespace, template: Any, root: Path, switch: int) -> list[dict[str, torch.Tensor]]:
+    """The uninterrupted run: ``--world`` to step ``switch``, then (a resume at another world)
+    ``--resume-world`` from that state to the end, handed over through a checkpoint."""
+    ref = root / "reference"
+    ref.mkdir(parents=True, exist_ok=True)
+    states = lg.run_threads(a.world, lambda c: life(c, a, template, ref if switch < a.steps else None, switch, None),
+                            backend="host", timeout=a.timeout)
+    if switch < a.steps:
+        states = lg.run_threads(a.resume_world, lambda c: life(c, a, template, ref, a.steps, None), backend="host",
+                                timeout=a.timeout)
+    return states
+
+
+def kill_table(s: dict[str, Any]) -> str:
+    lines = [f"kill soak: host backend, world {s['world']} then {s['resume_world']}, {s['strategy']}, {s['steps']} "
+             f"steps, a checkpoint every {s['checkpoint_every']}, seed {s['seed']}, {s['seconds']} s"]
+    for i, lv in enumerate(s["lives"]):
+        k = lv["kill"]
+        how = "finished" if lv["rc"] == 0 else f"killed ({k['point']} {k['step']})" if lv["killed"] else \
+            f"CRASHED (exit {lv['rc']})"
+        lines.append(f"life {i}: world {lv['world']}, resumed from step {lv['resumed_from']}, {how}"
+                     + (f"; a cut save left {lv['partial_left']}" if lv["partial_left"] else ""))
+    lines.append(f"kills: {s['kills']} ({s['mid_save_kills']} in the middle of a save)"
+                 + (f"; world {s['resume_world']} from the world-{s['world']} checkpoint of step {s['switched_at']}"
+                    if s["switched_at"] is not None else ""))
+    lines += [f"rank {c['rank']}: {c['identical']}/{c['total']} tensors identical to the uninterrupted run, max "
+              f"|diff| {c['max_abs_diff']:g}" + (f", differ: {c['mismatched']}" if c["mismatched"] else "")
+              for c in s["comparison"]]
+    return "\n".join([*lines, "PASS" if s["ok"] else "FAIL"])
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line (main prints it), no usage block
         raise ValueError(message)
@@ -310,6 +537,13 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait")
     p.add_argument("--json", default=None, help="the report as JSON (default: $OUT/fault_soak.json where $OUT is set)")
+    p.add_argument("--kills", type=int, default=0, help="the kill-and-resume soak: this many SIGKILLs (host backend)")
+    p.add_argument("--checkpoint-every", type=int, default=2, help="kill soak: steps between checkpoints")
+    p.add_argument("--resume-world", type=int, default=None, help="kill soak: the world of every life after the first")
+    p.add_argument("--dir", default=None, help="kill soak: where the checkpoints go (default: a new temporary dir, "
+                                               "removed after a pass)")
+    p.add_argument("--life", action="store_true", help=argparse.SUPPRESS)  # a kill soak's child
+    p.add_argument("--die-at", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if _MISSING:
         print(f"fault_soak: {_MISSING}", file=sys.stderr)
@@ -321,10 +555,15 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
                       (a.batch >= 1 and 1 <= a.seq < len(_TEXT) // 2, "--batch and --seq must be positive"),
                       (a.world is None or a.world >= 1, "--world must be >= 1"),
                       (a.group_size is None or a.strategy == "hierarchical" and a.group_size >= 1,
-                       "--group-size applies to --strategy hierarchical and must be >= 1")]:
+                       "--group-size applies to --strategy hierarchical and must be >= 1"),
+                      (a.kills >= 0 and a.checkpoint_every >= 1, "--kills must be >= 0, --checkpoint-every >= 1"),
+                      (a.resume_world is None or a.resume_world >= 1, "--resume-world must be >= 1"),
+                      (not (a.kills or a.life) or a.backend in ("auto", "host"), "--kills runs on the host backend")]:
         if not good:
             raise ValueError(msg)
     backend = a.backend
+    if a.kills or a.life:  # ranks are threads of one process that the soak kills: the host backend
+        backend = "host"
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() and lg.device_count() > 0 else "host"
     if backend == "nccl":
@@ -334,13 +573,15 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
             raise ValueError(f"--world {a.world}, but the launcher started {env_world} ranks")
         a.world = env_world
     a.world = a.world or 1
+    a.resume_world = a.resume_world or a.world
     if backend in ("cuda", "nccl"):
         if not torch.cuda.is_available():
             raise lg.CudaUnavailableError(f"--backend {backend}: this PyTorch ({torch.__version__}) sees no GPU")
         from lowgrad.cuda import driver
         driver.driver()  # CudaUnavailableError with lowgrad's reason, before any rank starts
     template = build(a)
-    lowgrad.torch.module_layout(template)[0].check_world(a.world)  # every dim 0 divisible by world
+    for world in {a.world, a.resume_world}:
+        lowgrad.torch.module_layout(template)[0].check_world(world)  # every dim 0 divisible by world
     return a, backend, template
 
 
@@ -352,6 +593,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     faults, t0, threads = schedule(a, a.world), time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: intra-op threads only add waits (on a shared CPU, 20x slower)
+    if a.life:
+        return child(a, template)
+    if a.kills:
+        try:
+            return kill_soak(a, template)
+        finally:
+            torch.set_num_threads(threads)
     try:
         if backend == "nccl":
             comm = lg.from_env(timeout=a.timeout)

@@ -72,3 +72,9 @@ class ProtocolError(LowgradError, ValueError):
     """A gradient-manager protocol violation: a fetch out of order, a notify without a fetch,
     reading shards or the norm before a step completed, a micro-step out of sequence. Also a
     ``ValueError``: the call's arguments do not fit the manager's state."""
+
+
+class CheckpointError(LowgradError, ValueError):
+    """A checkpoint that cannot be loaded: missing, half-written, truncated, corrupted (a checksum
+    differs), foreign (another model, strategy or optimizer) or not this rank's. The message names
+    the file and what is wrong; nothing in the running state changed."""

@@ -70,3 +70,28 @@ class ManagerState:
                                  ("rank", self.rank, rank), ("rounding", self.rounding, rounding)):
             if value != mine:
                 raise ValueError(f"state {key} {value!r} does not match this manager's {mine!r}")
+
+    def portable(self) -> dict[str, Any]:
+        """The state without ``rank`` and ``world``: what a checkpoint keeps, the same on every
+        rank, loadable at any world (:meth:`at`)."""
+        d = self.as_dict()
+        del d["rank"], d["world"]
+        return d
+
+    @classmethod
+    def at(cls, portable: Any, rank: int, world: int) -> ManagerState:
+        """A :meth:`portable` state (or a whole :meth:`as_dict`) checked and placed at ``rank`` of
+        ``world``: the same base seed and step, so the SR noise that follows is that of a run
+        started at this world from the same state."""
+        if not isinstance(portable, Mapping):
+            raise TypeError(f"state must be a mapping from state_dict(), got {type(portable).__name__}")
+        return cls.parse({**portable, "rank": rank, "world": world})
+
+
+def resume_state(portable: Any, manager: Any) -> ManagerState:
+    """A :meth:`ManagerState.portable` state (a checkpoint's) checked for ``manager`` (the same
+    strategy and rounding; any world) and placed at its rank and world: TypeError or ValueError
+    as :meth:`ManagerState.parse` and :meth:`ManagerState.check_fits` say."""
+    saved = ManagerState.at(portable, manager.rank, manager.world)
+    saved.check_fits(manager.strategy, manager.rank, manager.world, manager.rounding)
+    return saved

@@ -1,0 +1,319 @@
+"""lowgrad.checkpoint without a framework: an engine of numpy (SGD with momentum on float32 master
+rows) drives a manager and checkpoints it with its arrays. A resume at the same world is bit for
+bit the uninterrupted run (weights, momentum, manager step, the SR noise of the next step's
+shards) for every strategy, with and without offload; a checkpoint saved at world N loads at any
+world M with every rank's rows equal to the saved arrays' and runs on as a world-M run started
+from that state; a save that fails on one rank publishes nothing and leaves the previous
+checkpoint; a missing, half-written, truncated, corrupted or foreign checkpoint is refused on every
+rank naming the file, with nothing changed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lowgrad as lg
+from lowgrad import checkpoint
+from lowgrad.checkpoint import Rows
+
+LAYOUT = lg.Layout(block=(lg.ParamSpec("w", (12, 4)), lg.ParamSpec("b", (12,))),
+                   non_block=(lg.ParamSpec("e", (24, 4)),), num_layers=2)
+SPECS = {f"layers.{l}.{s.name}": s for l in range(LAYOUT.num_layers) for s in LAYOUT.block} | {
+    s.name: s for s in LAYOUT.non_block}
+M = 2
+CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
+           ("all_to_all", True)]
+
+
+def _grad(shape: tuple[int, ...], *key: Any) -> np.ndarray:
+    rng = np.random.default_rng([abs(hash(str(key))) % (1 << 32)])
+    return (rng.standard_normal(shape) * 0.1).astype(ml_dtypes.bfloat16)
+
+
+class Engine:
+    """A rank of a framework-free training loop: the manager's protocol with numpy gradients, SGD
+    with momentum on this rank's float32 master rows of every parameter."""
+
+    def __init__(self, comm: Any, strategy: str, offload: bool) -> None:
+        self.gm = lg.create_gradient_manager(LAYOUT, comm, strategy=strategy, offload=offload, seed=11)
+        self.rank, self.world = comm.rank, comm.world
+        self.master = {n: _grad(s.shape, "init", n).astype(np.float32)[self.rows(n)] for n, s in SPECS.items()}
+        self.momentum = {n: np.zeros_like(v) for n, v in self.master.items()}
+        self.last: dict[str, np.ndarray] = {}
+
+    def rows(self, name: str) -> slice:
+        per = SPECS[name].shape[0] // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def step(self, s: int) -> None:
+        gm = self.gm
+        for m in range(M):
+            gm.start_micro_step(None, m, M)
+            for spec in LAYOUT.non_block:
+                t, acc = gm.non_block_full(spec.name, None)
+                self._write(t, _grad(spec.shape, s, m, self.rank, spec.name), acc)
+                gm.notify_non_block(spec.name, None)
+            for layer in reversed(range(LAYOUT.num_layers)):
+                dw, acc = gm.block_full(layer, None)
+                for spec in LAYOUT.block:
+                    self._write(dw[spec.name], _grad(spec.shape, s, m, self.rank, layer, spec.name), acc)
+                gm.notify_block(layer, None)
+            gm.end_micro_step(None)
+        shards = {f"layers.{l}.{b.name}": gm.block_shard(l, None)[b.name] for l in range(LAYOUT.num_layers)
+                  for b in LAYOUT.block}
+        shards |= {s.name: gm.non_block_shard(s.name, None) for s in LAYOUT.non_block}
+        self.last = {n: t.numpy().copy() for n, t in shards.items()}
+        for n, g in self.last.items():
+            self.momentum[n] = np.float32(0.9) * self.momentum[n] + g.astype(np.float32)
+            self.master[n] = self.master[n] - np.float32(0.01) * self.momentum[n]
+
+    @staticmethod
+    def _write(t: lg.Tensor, g: np.ndarray, accumulate: bool) -> None:
+        view = t.numpy().reshape(g.shape)
+        view[...] = (view.astype(np.float32) + g.astype(np.float32)).astype(ml_dtypes.bfloat16) if accumulate else g
+
+    def arrays(self) -> dict[str, Rows]:
+        out = {}
+        for n, s in SPECS.items():
+            start = self.rows(n).start
+            out[f"master.{n}"] = Rows(self.master[n], s.shape, start)
+            out[f"momentum.{n}"] = Rows(self.momentum[n], s.shape, start)
+        return out
+
+    def apply(self, arrays: dict[str, np.ndarray]) -> None:
+        for n in SPECS:
+            self.master[n], self.momentum[n] = arrays[f"master.{n}"], arrays[f"momentum.{n}"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"master": {n: v.copy() for n, v in self.master.items()},
+                "momentum": {n: v.copy() for n, v in self.momentum.items()},
+                "last": self.last, "state": self.gm.state_dict()}
+
+
+def _run(world: int, job: Any) -> list[Any]:
+    return lg.run_threads(world, job, backend="host", timeout=60)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["state"] == b["state"]
+    for part in ("master", "momentum", "last"):
+        assert a[part].keys() == b[part].keys()
+        for n in a[part]:
+            assert a[part][n].tobytes() == b[part][n].tobytes(), (part, n)
+
+
+def _save(root: Path, world: int, strategy: str, offload: bool, steps: int = 2) -> list[dict[str, Any]]:
+    """A world-``world`` run of ``steps`` steps checkpointed at ``root``; each rank's snapshot."""
+    def job(c: Any) -> dict[str, Any]:
+        e = Engine(c, strategy, offload)
+        for s in range(steps):
+            e.step(s)
+        checkpoint.save(root, e.gm, e.arrays(), meta={"data_position": steps})
+        out = e.snapshot()
+        e.gm.close()
+        return out
+    return _run(world, job)
+
+
+def _full(snaps: list[dict[str, Any]], part: str) -> dict[str, np.ndarray]:
+    return {n: np.concatenate([s[part][n] for s in snaps]) for n in SPECS}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize(("strategy", "offload"), CONFIGS)
+def test_a_resume_at_the_same_world_is_the_uninterrupted_run(tmp_path: Path, world: int, strategy: str,
+                                                             offload: bool) -> None:
+    def straight(c: Any) -> dict[str, Any]:
+        e = Engine(c, strategy, offload)
+        for s in range(4):
+            e.step(s)
+        out = e.snapshot()
+        e.gm.close()
+        return out
+
+    def resumed(c: Any) -> dict[str, Any]:
+        e = Engine(c, strategy, offload)  # a fresh process: initial weights, step 0
+        found = checkpoint.load(tmp_path / "ck", e.gm, e.arrays())
+        assert found.meta == {"data_position": 2} and found.world == world
+        e.apply(found.arrays)
+        for s in range(2, 4):
+            e.step(s)
+        out = e.snapshot()
+        e.gm.close()
+        return out
+
+    _save(tmp_path / "ck", world, strategy, offload)
+    for a, b in zip(_run(world, straight), _run(world, resumed)):
+        _same(a, b)
+
+
+PAIRS = [(n, m) for n in (1, 2, 3, 4) for m in (1, 2, 3, 4) if n != m]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), PAIRS)
+def test_a_checkpoint_loads_at_any_world(tmp_path: Path, saved: int, resumed: int) -> None:
+    """Rows of every array equal the saved ones wherever they were; the manager's seed and step
+    follow; the run then equals a world-``resumed`` run given the same state by hand."""
+    strategy, offload = CONFIGS[(saved * 4 + resumed) % len(CONFIGS)]  # every configuration over the pairs
+    snaps = _save(tmp_path / "ck", saved, strategy, offload)
+    full = {part: _full(snaps, part) for part in ("master", "momentum")}
+
+    def from_checkpoint(c: Any) -> dict[str, Any]:
+        e = Engine(c, strategy, offload)
+        e.apply(checkpoint.load(tmp_path / "ck", e.gm, e.arrays()).arrays)
+        for part in ("master", "momentum"):
+            for n in SPECS:
+                assert getattr(e, part)[n].tobytes() == full[part][n][e.rows(n)].tobytes(), (part, n)
+        assert {k: v for k, v in e.gm.state_dict().items() if k not in ("rank", "world")} == \
+            {k: v for k, v in snaps[0]["state"].items() if k not in ("rank", "world")}
+        e.step(2)
+        out = e.snapshot()
+        e.gm.close()
+        return out
+
+    def by_hand(c: Any) -> dict[str, Any]:
+        e = Engine(c, strategy, offload)
+        e.gm.load_state_dict({**snaps[0]["state"], "rank": c.rank, "world": c.world})
+        e.master = {n: full["master"][n][e.rows(n)].copy() for n in SPECS}
+        e.momentum = {n: full["momentum"][n][e.rows(n)].copy() for n in SPECS}
+        e.step(2)
+        out = e.snapshot()
+        e.gm.close()
+        return out
+
+    for a, b in zip(_run(resumed, from_checkpoint), _run(resumed, by_hand)):
+        _same(a, b)
+
+
+def _refused(path: Path, world: int, strategy: str = "scatter_reduce", layout: lg.Layout = LAYOUT) -> list[str]:
+    """Each rank's CheckpointError message from loading ``path``, having checked nothing changed."""
+    def job(c: Any) -> str:
+        e = Engine(c, strategy, False)
+        if layout is not LAYOUT:
+            e.gm.close()
+            e.gm = lg.create_gradient_manager(layout, c, strategy=strategy, seed=11)
+        before = (e.gm.state_dict(), e.snapshot())
+        with pytest.raises(lg.CheckpointError) as info:
+            checkpoint.load(path, e.gm, e.arrays())
+        assert e.gm.state_dict() == before[0]
+        _same(e.snapshot(), before[1])
+        e.gm.close()
+        return str(info.value)
+    return _run(world, job)
+
+
+def test_broken_and_foreign_checkpoints_are_refused_naming_the_file(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    _save(good, 2, "scatter_reduce", False)
+
+    def broken(name: str, change: Any) -> Path:
+        p = tmp_path / name
+        shutil.copytree(good, p)
+        change(p)
+        return p
+
+    def flip(p: Path) -> None:
+        f = p / "rank-00001.bin"
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        f.write_bytes(bytes(raw))
+
+    def truncate(p: Path) -> None:
+        f = p / "rank-00000.bin"
+        f.write_bytes(f.read_bytes()[:-8])
+
+    def edit_manifest(**changes: Any) -> Any:
+        def edit(p: Path) -> None:
+            m = json.loads((p / "manifest.json").read_text())
+            for k, v in changes.items():
+                m[k] = v(m[k])
+            (p / "manifest.json").write_text(json.dumps(m))
+        return edit
+
+    cases = {
+        "no manifest (a save cut short)": (broken("half", lambda p: (p / "manifest.json").unlink()),
+                                          "manifest.json is missing"),
+        "manifest cut": (broken("cut", lambda p: (p / "manifest.json").write_bytes(
+            (p / "manifest.json").read_bytes()[:100])), "not JSON"),
+        "a flipped bit": (broken("flip", flip), "rank-00001.bin: the chunk of"),
+        "a truncated file": (broken("trunc", truncate), "rank-00000.bin"),
+        "a missing file": (broken("gone", lambda p: (p / "rank-00001.bin").unlink()), "rank-00001.bin: missing"),
+        "another version": (broken("ver", edit_manifest(version=lambda v: 99)), "version 99"),
+        "another model": (broken("model", edit_manifest(layout=lambda v: {**v, "num_layers": 3})), "another model"),
+    }
+    for what, (path, needle) in cases.items():
+        for msg in _refused(path, 2):
+            assert needle in msg, (what, msg)
+    assert any("CRC-32" in m for m in _refused(tmp_path / "flip", 2))
+    for msg in _refused(tmp_path / "trunc", 3):  # a rank whose rows are elsewhere is told too
+        assert "rank-00000.bin" in msg
+    for msg in _refused(good, 2, strategy="all_to_all"):
+        assert "state strategy 'scatter_reduce' does not match this manager's 'all_to_all'" in msg
+    other = lg.Layout(block=LAYOUT.block, non_block=(lg.ParamSpec("e", (12, 4)),), num_layers=2)
+    for msg in _refused(good, 2, layout=other):
+        assert "another model" in msg
+    assert all("is not a checkpoint" in m for m in _refused(tmp_path / "nowhere", 1))
+
+
+def test_a_save_that_fails_on_one_rank_publishes_nothing(tmp_path: Path) -> None:
+    """Rank 1 cannot write its file: every rank raises, no checkpoint appears, the previous one
+    stays the latest and loads; the next save under the same name succeeds."""
+    _save(tmp_path / "step-1", 2, "scatter_reduce", False, steps=1)
+    real = checkpoint.durable.write_file
+
+    def failing(path: Path, chunks: list[Any]) -> None:
+        if path.name == "rank-00001.bin":
+            raise OSError(28, "No space left on device")
+        real(path, chunks)
+
+    checkpoint.durable.write_file = failing  # type: ignore[assignment]
+    try:
+        with pytest.raises(lg.CheckpointError, match="rank 1: OSError.*No space left"):
+            _save(tmp_path / "step-2", 2, "scatter_reduce", False)
+    finally:
+        checkpoint.durable.write_file = real  # type: ignore[assignment]
+    assert not (tmp_path / "step-2").exists() and (tmp_path / ".step-2.partial").exists()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
+    _save(tmp_path / "step-2", 2, "scatter_reduce", False)  # the leftover is cleared
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2" and not (tmp_path / ".step-2.partial").exists()
+    with pytest.raises(lg.CheckpointError, match="exists already"):
+        _save(tmp_path / "step-2", 2, "scatter_reduce", False)
+
+
+def test_the_manifest_describes_every_chunk(tmp_path: Path) -> None:
+    """The documented format: rank files of raw chunks, each at its offset with its CRC-32."""
+    snaps = _save(tmp_path / "ck", 3, "all_to_all", False)
+    m = checkpoint.read_manifest(tmp_path / "ck")
+    assert m["world"] == 3 and m["manager"]["step"] == 2
+    assert set(m["files"]) == {f"rank-0000{r}.bin" for r in range(3)}
+    entry = m["arrays"]["master.layers.1.w"]
+    assert entry["dtype"] == "float32" and entry["shape"] == [12, 4]
+    assert [c["start"] for c in entry["chunks"]] == [0, 4, 8]
+    for r, c in enumerate(entry["chunks"]):
+        raw = (tmp_path / "ck" / c["file"]).read_bytes()[c["offset"]:c["offset"] + c["bytes"]]
+        assert zlib.crc32(raw) == c["crc32"] and raw == snaps[r]["master"]["layers.1.w"].tobytes()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temporary left behind
+
+
+def test_bad_arguments_change_nothing(tmp_path: Path) -> None:
+    def job(c: Any) -> None:
+        e = Engine(c, "scatter_reduce", False)
+        with pytest.raises(TypeError, match="Rows"):
+            checkpoint.save(tmp_path / "x", e.gm, {"a": np.zeros(3)})  # type: ignore[dict-item]
+        with pytest.raises(TypeError):
+            checkpoint.save(tmp_path / "x", e.gm, e.arrays(), meta={"bad": object()})
+        e.gm.start_micro_step(None, 0, 2)
+        with pytest.raises(lg.ProtocolError):
+            checkpoint.save(tmp_path / "x", e.gm, e.arrays())
+        e.gm.close()
+    _run(1, job)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="does not fit"):
+        Rows(np.zeros((3, 2)), (4, 2), 2)

@@ -1,0 +1,422 @@
+"""Checkpoint and resume through lowgrad.torch on the CPU (host backend): ShardOptimizer's state
+dict holds master weights, moments, step counts, skipped steps, hyper-parameters and the manager's
+state; a resume at the same world is the uninterrupted run bit for bit (every strategy, with and
+without offload; through save_checkpoint, torch.save and torch.distributed.checkpoint); a
+checkpoint saved at world N loads at world M with every rank's rows equal to the saved ones and
+then runs as a world-M run given that state; model weights loaded after the optimizer exists take
+effect (the master weights follow) and a reload of the same weights keeps the float32 master;
+foreign and mismatched states are refused with nothing changed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lowgrad as lg
+
+torch = pytest.importorskip("torch")
+import lowgrad.torch as lt  # noqa: E402
+
+H, FF, V, LAYERS, M = 12, 24, 12, 2, 2  # every dim 0 divisible by worlds 1 to 4
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.ones(H))
+        self.up = torch.nn.Linear(H, FF, bias=True)
+        self.down = torch.nn.Linear(FF, H, bias=False)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.down(torch.relu(self.up(x * self.norm)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, H)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = torch.nn.Linear(H, V, bias=False)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        self.to(torch.bfloat16)
+
+    def forward(self, tokens: Any) -> Any:
+        x = self.embed(tokens)
+        for blk in self.layers:
+            x = blk(x)
+        return self.head(x)
+
+
+def micro_batches(att: Any, model: Any, step: int) -> None:
+    for m in range(M):
+        with att.micro_step(m, M):
+            g = torch.Generator().manual_seed(10_000 * step + 100 * att.gm.rank + m)
+            tokens = torch.randint(0, V, (3, 4), generator=g).to(next(model.parameters()).device)
+            torch.nn.functional.cross_entropy(model(tokens).float().reshape(-1, V), tokens.reshape(-1)).backward()
+
+
+class Run:
+    """A rank's model, manager and ShardOptimizer(AdamW)."""
+
+    def __init__(self, comm: Any, strategy: str = "scatter_reduce", offload: bool = False, seed: int = 0,
+                 master_weights: bool = True, optimizer: Any = None, device: str = "cpu") -> None:
+        self.model = Net(seed).to(device)
+        self.att = lt.attach(self.model, comm, strategy=strategy, offload=offload, seed=7)
+        self.opt = lt.ShardOptimizer(self.att, optimizer, master_weights=master_weights, lr=1e-2,
+                                     weight_decay=0.1)
+
+    def train(self, steps: range, max_norm: float | None = 1.0) -> None:
+        for s in steps:
+            micro_batches(self.att, self.model, s)
+            self.opt.step(max_norm=max_norm)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every tensor lowgrad and the module hold, and the last step's shards."""
+        out = {f"param.{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        for k, v in self.opt.state_dict().items():
+            out[k] = lt._local(v).cpu().clone() if isinstance(v, torch.Tensor) else v
+        try:  # the SR noise of the last step
+            out["shards"] = torch.cat([t.float().reshape(-1).cpu() for l in range(LAYERS)
+                                       for t in self.att.block_shards(l).values()])
+        except lg.ProtocolError:  # no step completed since the manager was made or loaded
+            out["shards"] = None
+        out["skipped"] = self.opt.skipped_steps
+        return out
+
+    def close(self) -> None:
+        self.opt.close()
+        self.att.close()
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(-1).view(torch.uint8) if a[k].dim() else a[k],
+                                                            b[k].view(-1).view(torch.uint8) if b[k].dim() else b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def threads(world: int, job: Any) -> list[Any]:
+    return lg.run_threads(world, job, backend="host", timeout=60)
+
+
+def uninterrupted(world: int, steps: int = 4, **kw: Any) -> list[dict[str, Any]]:
+    def job(c: Any) -> dict[str, Any]:
+        r = Run(c, **kw)
+        r.train(range(steps))
+        out = r.snapshot()
+        r.close()
+        return out
+    return threads(world, job)
+
+
+def resumes_bit_for_bit(world: int, save: Any, load: Any, **kw: Any) -> None:
+    """A run of two steps ends with ``save(run, comm)``; a fresh run (other initial weights: the
+    checkpoint must carry them) starts with ``load(run, comm)`` and runs two more: equal, bit for
+    bit, to four uninterrupted steps (every tensor, the shards of the last step)."""
+    def first(c: Any) -> None:
+        r = Run(c, **kw)
+        r.train(range(2))
+        save(r, c)
+        r.close()
+
+    def second(c: Any) -> dict[str, Any]:
+        r = Run(c, **{**kw, "seed": 1})
+        load(r, c)
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(world, first)
+    for a, b in zip(uninterrupted(world, **kw), threads(world, second)):
+        same(a, b)
+
+
+CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
+           ("all_to_all", True)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(("strategy", "offload"), CONFIGS)
+def test_save_checkpoint_resumes_bit_for_bit(tmp_path: Path, world: int, strategy: str, offload: bool) -> None:
+    resumes_bit_for_bit(world, lambda r, c: lt.save_checkpoint(tmp_path / "ck", r.opt),
+                        lambda r, c: lt.load_checkpoint(tmp_path / "ck", r.opt), strategy=strategy, offload=offload)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2), (4, 1), (1, 4), (2, 4), (4, 3)])
+def test_save_checkpoint_loads_at_another_world(tmp_path: Path, saved: int, resumed: int) -> None:
+    strategy, offload = CONFIGS[(saved + resumed) % len(CONFIGS)]
+
+    def first(c: Any) -> dict[str, Any]:
+        r = Run(c, strategy, offload)
+        r.train(range(2))
+        lt.save_checkpoint(tmp_path / "ck", r.opt)
+        out = r.snapshot()
+        r.close()
+        return out
+
+    snaps = threads(saved, first)
+    full = {k: torch.cat([s[k] for s in snaps]) for k in snaps[0]
+            if isinstance(snaps[0][k], torch.Tensor) and (k.startswith("master.") or k.endswith(".exp_avg")
+                                                          or k.endswith(".exp_avg_sq"))}
+
+    def mine(r: Run, k: str) -> torch.Tensor:
+        per = full[k].shape[0] // r.opt.world
+        return full[k][r.opt.rank * per:(r.opt.rank + 1) * per]
+
+    def from_checkpoint(c: Any) -> dict[str, Any]:
+        r = Run(c, strategy, offload, seed=1)
+        lt.load_checkpoint(tmp_path / "ck", r.opt)
+        state = r.opt.state_dict()
+        for k in full:
+            assert torch.equal(lt._local(state[k]), mine(r, k)), k
+        for n, p in r.model.named_parameters():  # the module holds the saved weights, whole, on every rank
+            assert torch.equal(p.detach(), snaps[0][f"param.{n}"]), n
+        assert r.att.gm.step == 2 and r.opt.skipped_steps == snaps[0]["skipped"]
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    def by_hand(c: Any) -> dict[str, Any]:
+        r = Run(c, strategy, offload, seed=1)
+        state = {k: mine(r, k) if k in full else v for k, v in snaps[0].items()
+                 if k.startswith(("master.", "state.")) or k in ("manager", "optimizer")}
+        r.opt.load_state_dict(state)
+        r.train(range(2, 4))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    for a, b in zip(threads(resumed, from_checkpoint), threads(resumed, by_hand)):
+        same(a, b)
+
+
+def test_without_master_weights_a_resume_is_bit_for_bit(tmp_path: Path) -> None:
+    """master_weights=False: the checkpoint's weights are the module's bf16 rows."""
+    resumes_bit_for_bit(2, lambda r, c: lt.save_checkpoint(tmp_path / "ck", r.opt),
+                        lambda r, c: lt.load_checkpoint(tmp_path / "ck", r.opt), master_weights=False)
+
+
+def test_torch_save_of_the_state_dict_resumes_bit_for_bit_and_is_this_ranks(tmp_path: Path) -> None:
+    def load(r: Run, c: Any) -> None:
+        before = r.snapshot()
+        other = torch.load(tmp_path / f"rank{1 - c.rank}.pt", weights_only=False)
+        with pytest.raises(lg.CheckpointError, match="this rank's are from"):
+            r.opt.load_state_dict(other)  # another rank's rows: refused, nothing changed
+        same(r.snapshot(), before)
+        r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False))
+
+    resumes_bit_for_bit(2, lambda r, c: torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt"), load)
+
+
+def test_model_weights_loaded_after_the_optimizer_take_effect(tmp_path: Path) -> None:
+    """The usual order (build, attach, ShardOptimizer, then model.load_state_dict) trains from the
+    loaded weights: the same as loading them before the optimizer was built."""
+    pretrained = {k: v.clone() for k, v in Net(seed=5).state_dict().items()}
+
+    def before(c: Any) -> dict[str, Any]:
+        model = Net(seed=0)
+        model.load_state_dict(pretrained)
+        att = lt.attach(model, c, strategy="scatter_reduce", seed=7)
+        opt = lt.ShardOptimizer(att, lr=1e-2, weight_decay=0.1)
+        r = Run.__new__(Run)
+        r.model, r.att, r.opt = model, att, opt
+        r.train(range(3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    def after(c: Any) -> dict[str, Any]:
+        r = Run(c, seed=0)
+        r.model.load_state_dict(pretrained)
+        r.train(range(3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    got = threads(2, after)
+    for a, b in zip(threads(2, before), got):
+        same(a, b)
+    moved = max(float((got[0][f"param.{n}"].float() - v.float()).abs().max()) for n, v in pretrained.items())
+    assert 0 < moved < 0.1  # trained from the loaded weights, not from seed 0's
+
+
+def test_reloading_the_same_weights_after_a_checkpoint_keeps_the_master(tmp_path: Path) -> None:
+    """load_checkpoint, then model.load_state_dict of the module saved with it (either order):
+    the float32 master weights are kept, so the resume is still bit for bit."""
+    def save(order: str, r: Run, c: Any) -> None:
+        lt.save_checkpoint(tmp_path / f"ck-{order}", r.opt)
+        if c.rank == 0:
+            torch.save(r.model.state_dict(), tmp_path / f"model-{order}.pt")
+
+    def load(order: str, r: Run, c: Any) -> None:
+        weights = torch.load(tmp_path / f"model-{order}.pt")
+        if order == "model first":
+            r.model.load_state_dict(weights)
+        lt.load_checkpoint(tmp_path / f"ck-{order}", r.opt)
+        if order == "model last":
+            r.model.load_state_dict(weights)
+
+    for order in ("model first", "model last"):
+        resumes_bit_for_bit(2, partial(save, order), partial(load, order))
+
+
+def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None:
+    def first(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        lt.save_checkpoint(tmp_path / "ck", r.opt)
+        torch.save(r.opt.state_dict(), tmp_path / "sd.pt")
+        r.close()
+
+    def check(make: Any, needle: str) -> None:
+        def job(c: Any) -> None:
+            r = make(c)
+            before = r.snapshot()
+            with pytest.raises(lg.CheckpointError, match=needle):
+                lt.load_checkpoint(tmp_path / "ck", r.opt)
+            same(r.snapshot(), before)
+            assert r.att.gm.step == 0
+            r.close()
+        threads(1, job)
+
+    threads(1, first)
+    check(lambda c: Run(c, "all_to_all"), "strategy 'scatter_reduce' does not match this manager's 'all_to_all'")
+    check(lambda c: Run(c, master_weights=False), "master_weights=True")
+    check(lambda c: Run(c, optimizer=torch.optim.Adam), "saved from AdamW")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+
+    def job(c: Any) -> None:
+        r = Run(c)
+        before = r.snapshot()
+        for bad, needle in [({k: v for k, v in sd.items() if k != "master.head.weight"}, "keys missing"),
+                            ({**sd, "master.head.weight": sd["master.head.weight"].local[:6]}, "this rank's is"),
+                            ({**sd, "manager": {**sd["manager"], "strategy": "unsharded"}}, "'unsharded' does not"),
+                            ({**sd, "optimizer": {**sd["optimizer"], "skipped_steps": -1}}, "skipped_steps")]:
+            with pytest.raises(lg.CheckpointError, match=needle):
+                r.opt.load_state_dict(bad)
+            same(r.snapshot(), before)
+        r.close()
+    threads(1, job)
+
+
+def test_a_state_refused_on_one_rank_is_refused_on_all(tmp_path: Path) -> None:
+    """Rank 1 is handed a broken state, rank 0 a good one: both raise (no rank is left in the
+    all-gather), nothing changed, and the corrected retry loads."""
+    def load(r: Run, c: Any) -> None:
+        before = r.snapshot()
+        sd = torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False)
+        bad = {**sd, "optimizer": {**sd["optimizer"], "class": "SGD"}} if c.rank == 1 else sd
+        with pytest.raises(lg.CheckpointError, match="rank 1: .*saved from SGD"):
+            r.opt.load_state_dict(bad)
+        same(r.snapshot(), before)
+        r.opt.load_state_dict(sd)
+
+    resumes_bit_for_bit(2, lambda r, c: torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt"), load)
+
+
+def test_a_state_dict_waits_for_step() -> None:
+    def job(c: Any) -> None:
+        r = Run(c)
+        micro_batches(r.att, r.model, 0)
+        with pytest.raises(lg.ProtocolError, match="call step"):
+            r.opt.state_dict()
+        r.opt.step()
+        assert "manager" in r.opt.state_dict()
+        r.close()
+    threads(2, job)
+
+
+def test_dcp_save_and_load_in_one_process_resume_bit_for_bit(tmp_path: Path) -> None:
+    """dcp.save / dcp.load of {"model": ..., "lowgrad": optimizer} (a Stateful) at world 1."""
+    import torch.distributed.checkpoint as dcp
+
+    def save(r: Run, c: Any) -> None:
+        dcp.save({"model": r.model.state_dict(), "lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+
+    def load(r: Run, c: Any) -> None:
+        dcp.load({"model": r.model.state_dict(), "lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+
+    with pytest.warns(UserWarning, match="single process"):
+        resumes_bit_for_bit(1, save, load)
+
+
+_DCP_RANK = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    sys.path.insert(0, {root!r})
+    import lowgrad.torch
+    rank, world, mode, where, files = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + files + "/rendezvous", rank=rank, world_size=world)
+    state = torch.load(f"{{files}}/rank{{rank}}.pt", weights_only=False)
+    (dcp.save if mode == "save" else dcp.load)({{"lowgrad": state}}, checkpoint_id=where)
+    if mode == "load":
+        torch.save(state, f"{{files}}/rank{{rank}}.pt")
+    dist.destroy_process_group()
+""")
+
+
+def _dcp_processes(world: int, mode: str, where: Path, files: Path) -> None:
+    """``dcp.save`` or ``dcp.load`` of each rank's state dict in ``world`` processes (gloo)."""
+    script = _DCP_RANK.format(root=str(ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), mode, str(where), str(files)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(world)]
+    outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.environ.get("LOWGRAD_SLOW_TESTS"), reason="slow (about 20 s each on 2 cores: torch "
+                    "imported in 5 processes): set LOWGRAD_SLOW_TESTS=1")
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2)])
+def test_dcp_reshards_lowgrad_state_across_worlds(tmp_path: Path, saved: int, resumed: int) -> None:
+    """Each of ``saved`` processes dcp.saves its rank's state dict; ``resumed`` processes dcp.load
+    into their ranks' state dicts (templates from a world-``resumed`` run); loaded into that run,
+    every rank's rows equal the saved ones, and it then equals the same run resumed through
+    lowgrad's own format."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+    def first(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        torch.save(r.opt.state_dict(), tmp_path / "a" / f"rank{c.rank}.pt")
+        lt.save_checkpoint(tmp_path / "native", r.opt)
+        r.close()
+
+    def template(c: Any) -> None:
+        r = Run(c, seed=1)
+        torch.save(r.opt.state_dict(), tmp_path / "b" / f"rank{c.rank}.pt")
+        r.close()
+
+    def resume(native: bool, c: Any) -> dict[str, Any]:
+        r = Run(c, seed=1)
+        if native:
+            lt.load_checkpoint(tmp_path / "native", r.opt)
+        else:
+            r.opt.load_state_dict(torch.load(tmp_path / "b" / f"rank{c.rank}.pt", weights_only=False))
+        r.train(range(2, 3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(saved, first)
+    _dcp_processes(saved, "save", tmp_path / "dcp", tmp_path / "a")
+    threads(resumed, template)
+    _dcp_processes(resumed, "load", tmp_path / "dcp", tmp_path / "b")
+    for a, b in zip(threads(resumed, lambda c: resume(True, c)), threads(resumed, lambda c: resume(False, c))):
+        same(a, b)
