@@ -14,8 +14,8 @@ the CUDA one, and one that never makes a manager never loads the managers.
 from importlib import import_module
 from typing import Any
 
-from lowgrad.core.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
-from lowgrad.core.errors import (
+from lowgrad.base.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
+from lowgrad.base.errors import (
     CaptureError,
     CheckpointError,
     ClosedError,
@@ -30,10 +30,10 @@ from lowgrad.core.errors import (
     NvrtcError,
     ProtocolError,
 )
-from lowgrad.core.memory import MemoryReport
-from lowgrad.core.streams import stream_handle
-from lowgrad.core.tensor import Container, LazyAllocator, Tensor, from_numpy, shard_view
-from lowgrad.core.version import __version__ as __version__
+from lowgrad.base.version import __version__ as __version__
+from lowgrad.buffers.memory import MemoryReport
+from lowgrad.buffers.streams import stream_handle
+from lowgrad.buffers.tensor import Container, LazyAllocator, Tensor, from_numpy, shard_view
 
 #: every public name imported at first use -> the module that defines it (a name equal to the
 #: module's last part is the module itself: ``lowgrad.ops``, ``lowgrad.nccl``, ``lowgrad.reference``)

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lowgrad.core import capture
-from lowgrad.core.backend import check_copy
-from lowgrad.core.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
-from lowgrad.core.integers import integer
-from lowgrad.core.kernels import SeedSource, StatsSink
-from lowgrad.core.limits import U64
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
+from lowgrad.base.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
+from lowgrad.base.integers import integer
+from lowgrad.base.limits import U64
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.backend import check_copy
+from lowgrad.contracts.kernels import SeedSource, StatsSink
 from lowgrad.sr.checks import (
     F32_MAX,
     SR_DTYPES,
@@ -161,7 +161,7 @@ def check_seed_source(seeds: Any, count: int, device: Any) -> SeedSource:
     when ``count`` is 1), or ``(counter, layer, lanes)`` with a :class:`SeedCounter` of ``device``
     whose per-use seeds of ``(layer, lane)`` the kernels read when they run (``lanes``: an int,
     or ``count`` ints, each ``2 * tensor + phase``). Returns the backends' form,
-    :data:`~lowgrad.core.kernels.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
+    :data:`~lowgrad.contracts.kernels.SeedSource`: ``(counter, layer, lanes)`` or ``(None, 0, seeds)``
     with one entry per use."""
     if isinstance(seeds, tuple):
         if len(seeds) != 3 or not isinstance(seeds[0], SeedCounter):

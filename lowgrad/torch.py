@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from lowgrad import checkpoint
-from lowgrad.core.errors import CheckpointError, NonFiniteGradientError, ProtocolError
+from lowgrad.base.errors import CheckpointError, NonFiniteGradientError, ProtocolError
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec

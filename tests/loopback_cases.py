@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 import lowgrad as lg
-from lowgrad.core.communicator import all_to_all_skip
+from lowgrad.contracts.communicator import all_to_all_skip
 
 _spec = importlib.util.spec_from_file_location("race_hunt", Path(__file__).parents[1] / "tools" / "race_hunt.py")
 race_hunt = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]

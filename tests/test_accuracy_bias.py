@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowgrad.core.dtypes import bf16
+from lowgrad.base.dtypes import bf16
 from lowgrad.sr.philox import sr_noise
 from lowgrad.sr.reference import round_sr
 

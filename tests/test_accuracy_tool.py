@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from lowgrad.core.dtypes import bf16
+from lowgrad.base.dtypes import bf16
 from lowgrad.sr import reference
 from lowgrad.sr.seeds import use_seed
 

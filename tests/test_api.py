@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import lowgrad
-from lowgrad.core.version import __version__
+from lowgrad.base.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_public_names_are_visible_to_dir_help_and_star_import() -> None:
 def test_version_is_defined_once() -> None:
     assert lowgrad.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
     text = (ROOT / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in text and 'version = {attr = "lowgrad.core.version.__version__"}' in text
+    assert 'dynamic = ["version"]' in text and 'version = {attr = "lowgrad.base.version.__version__"}' in text
     assert not re.search(r'^version\s*=\s*"', text, re.MULTILINE)  # no second copy in the metadata
 
 
@@ -172,4 +172,4 @@ def test_import_loads_no_backend_manager_or_launcher() -> None:
     code = ("import sys, lowgrad; print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('lowgrad.')}), "
             "'cuda.bindings' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['core'] False", out
+    assert out.strip() == "['base', 'buffers'] False", out

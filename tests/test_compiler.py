@@ -12,7 +12,7 @@ import pytest
 from helpers import counting_compile
 
 import lowgrad
-from lowgrad.core.errors import NvrtcError
+from lowgrad.base.errors import NvrtcError
 from lowgrad.cuda import compiler
 
 

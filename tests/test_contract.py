@@ -1,4 +1,4 @@
-"""The written backend contract (lowgrad.core.backend, lowgrad.core.communicator) on the host:
+"""The written backend contract (lowgrad.contracts.backend, lowgrad.contracts.communicator) on the host:
 both backends implement every abstract method, streams and events satisfy one protocol, stream
 priorities and capture lookup exist on both, DLPack/CAI follow the allocation's reported access
 (not the backend's name), and the manager's state modules (protocol, replay, state) on their own.
@@ -13,10 +13,10 @@ import pytest
 from test_managers import drive, small_layout
 
 import lowgrad as lg
-from lowgrad.core import dlpack
-from lowgrad.core.backend import DeviceBase, Event, Stream
-from lowgrad.core.communicator import CommBase
-from lowgrad.core.memory import KIND_ACCESS, KINDS, RawBlock, aligned_host_buffer
+from lowgrad.buffers import dlpack
+from lowgrad.buffers.memory import KIND_ACCESS, KINDS, RawBlock, aligned_host_buffer
+from lowgrad.contracts.backend import DeviceBase, Event, Stream
+from lowgrad.contracts.communicator import CommBase
 from lowgrad.cuda.communicator import Communicator
 from lowgrad.cuda.device import Device
 from lowgrad.cuda.stream import Event as CudaEvent
@@ -53,7 +53,7 @@ def test_both_communicators_implement_the_whole_comm_contract(cls: type) -> None
 
 def test_the_cuda_communicators_share_one_half() -> None:
     """NCCL's and the loopback's wait, host_allgather, stream choice and end of group are written
-    once (lowgrad.cuda.gpu_comm, lowgrad.core.communicator); each backend fills only the hooks."""
+    once (lowgrad.cuda.gpu_comm, lowgrad.contracts.communicator); each backend fills only the hooks."""
     from lowgrad.cuda.gpu_comm import GpuCommBase
     from lowgrad.cuda.loopback import LoopbackCommunicator
     for cls in (Communicator, LoopbackCommunicator):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import dlpack
-from lowgrad.core.backend import Event, Stream
-from lowgrad.core.memory import KIND_ACCESS, KINDS
+from lowgrad.buffers import dlpack
+from lowgrad.buffers.memory import KIND_ACCESS, KINDS
+from lowgrad.contracts.backend import Event, Stream
 
 pytestmark = pytest.mark.gpu
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.errors import NcclError
-from lowgrad.core.threads import AbortEvent
-from lowgrad.core.watchdog import Watchdog
+from lowgrad.base.errors import NcclError
 from lowgrad.cuda import communicator as cuda_comm
 from lowgrad.cuda.communicator import Communicator, blocking_mode
+from lowgrad.runtime.threads import AbortEvent
+from lowgrad.runtime.watchdog import Watchdog
 
 REASON = "rank 1 failed: RuntimeError: boom; the communicator was aborted"
 

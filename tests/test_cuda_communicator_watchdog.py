@@ -18,11 +18,11 @@ import pytest
 from helpers import watchdog_threads
 
 import lowgrad as lg
-from lowgrad.core import release
-from lowgrad.core.errors import NcclError
-from lowgrad.core.threads import AbortEvent
+from lowgrad.base.errors import NcclError
+from lowgrad.buffers import release
 from lowgrad.cuda import communicator as cuda_comm
 from lowgrad.host.device import HostDevice
+from lowgrad.runtime.threads import AbortEvent
 
 TIMEOUT = 0.5
 MARGIN = 0.5  # the watchdog's round (<= 50 ms) and a loaded 2-core machine

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import dlpack, release
-from lowgrad.core.threads import ThreadCollective
+from lowgrad.buffers import dlpack, release
+from lowgrad.runtime.threads import ThreadCollective
 
 
 @pytest.fixture

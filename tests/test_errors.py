@@ -1,4 +1,4 @@
-"""CPU tests of lowgrad.core.errors and the CUDA-unavailable path."""
+"""CPU tests of lowgrad.base.errors and the CUDA-unavailable path."""
 from __future__ import annotations
 
 import subprocess

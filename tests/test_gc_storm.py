@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import dlpack, release
-from lowgrad.core.threads import ThreadCollective
+from lowgrad.buffers import dlpack, release
+from lowgrad.runtime.threads import ThreadCollective
 
 LAYOUT = lg.Layout(block=[lg.ParamSpec("w", (8, 4)), lg.ParamSpec("b", (8,))],
                    non_block=[lg.ParamSpec("emb", (6, 4))], num_layers=2)

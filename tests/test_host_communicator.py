@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.communicator import (
+from lowgrad.contracts.communicator import (
     all_to_all_schedule,
     all_to_all_skip,
     all_to_all_source,
 )
-from lowgrad.core.threads import ThreadCollective
 from lowgrad.host.communicator import HostCommunicator
 from lowgrad.host.reduce import host_reduce
+from lowgrad.runtime.threads import ThreadCollective
 
 WORLDS = [1, 2, 3, 4, 8]
 
@@ -400,7 +400,7 @@ def test_bad_timeout_is_rejected_before_any_work(bad, exc):
 
 
 def test_timeout_none_is_the_default():
-    from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout
+    from lowgrad.base.timeouts import DEFAULT_TIMEOUT, check_timeout
 
     assert ThreadCollective(2, None).timeout == DEFAULT_TIMEOUT
     assert make_comms(1, timeout=2)[0].timeout == 2.0  # None on the communicator: the collective's

@@ -1,4 +1,4 @@
-"""``HostCommunicator.split`` (the contract: lowgrad/core/communicator.py): ranks of one color
+"""``HostCommunicator.split`` (the contract: lowgrad/contracts/communicator.py): ranks of one color
 form one new communicator ordered by (key, parent rank); bad arguments raise before anything
 happens; a failing rank wakes the ranks waiting in a split communicator."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.threads import split_groups
+from lowgrad.runtime.threads import split_groups
 
 
 def tensor(comm: Any, arr: np.ndarray) -> Any:

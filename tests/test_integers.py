@@ -1,5 +1,5 @@
 """NumPy integers are accepted wherever lowgrad takes a Python int below the managers (the one rule
-of :mod:`lowgrad.core.integers`): ranks, worlds, peers, ports, stream priorities, device ordinals,
+of :mod:`lowgrad.base.integers`): ranks, worlds, peers, ports, stream priorities, device ordinals,
 layer counts. Bools, Python's or NumPy's, and floats stay refused."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from loopback_sim import SimDevice, patch
 
 import lowgrad as lg
-from lowgrad.core.integers import integer
-from lowgrad.core.threads import ThreadCollective
+from lowgrad.base.integers import integer
 from lowgrad.cuda import loopback
 from lowgrad.launch.tcp_rendezvous import exchange_unique_id
+from lowgrad.runtime.threads import ThreadCollective
 
 NP_INTS = [np.int64(1), np.int32(1), np.uint8(1), np.intp(1)]
 NOT_INTS = [True, False, np.True_, np.bool_(False), 1.0, np.float64(1.0), "1", None, [1]]

@@ -1,4 +1,4 @@
-"""The kernels' sources read as data (lowgrad/core/kernel_source.py), on the CPU: the table equals
+"""The kernels' sources read as data (lowgrad/contracts/kernel_source.py), on the CPU: the table equals
 the one Python used to spell out by hand, typed lookups name what they lack, structs and constants
 are read as C lays them out, and the CUDA launcher (elementwise kernels built from their contract
 declaration included) packs byte for byte what it packed before (a stand-in for cuLaunchKernel
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import kernel_source as ks
-from lowgrad.core.kernels import ELEMENTWISE, Kernels
+from lowgrad.contracts import kernel_source as ks
+from lowgrad.contracts.kernels import ELEMENTWISE, Kernels
 from lowgrad.cuda import kernels as ck
 from lowgrad.sr.seedcounter import SeedCounter
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.dtypes import as_dtype
+from lowgrad.base.dtypes import as_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -608,7 +608,7 @@ def test_add_sr_multi_equals_separate_launches(gpu: lg.Device, host: lg.HostDevi
 
 
 def test_every_entry_point_read_from_the_sources_loads_with_its_block(gpu: lg.Device) -> None:
-    """The table lowgrad/core/kernel_source.py reads from kernels/*.cu names functions the cubins hold, and
+    """The table lowgrad/contracts/kernel_source.py reads from kernels/*.cu names functions the cubins hold, and
     each one's block (from __launch_bounds__) is what the driver allows per block."""
     from cuda.bindings import driver as drv
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.kernel_source import kernel_for
+from lowgrad.contracts.kernel_source import kernel_for
 from lowgrad.sr.seedcounter import SeedCounter
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The package's folders are its layers; this test holds the import rules.
 
-``core`` < (``sr`` | ``diagnostics``) < (``ops`` | ``cuda`` | ``host``) < (``launch`` | ``managers``) <
+``base`` < ``buffers`` < ``contracts`` (and ``base`` < ``runtime``), together the bottom (``CORE``) <
+(``sr`` | ``diagnostics``) < (``ops`` | ``cuda`` | ``host``) < (``launch`` | ``managers``) <
 ``checkpoint`` < (``cli`` | ``torch``):
 a module may import its own layer and the layers its row allows, nothing else (imports inside
 functions and under ``TYPE_CHECKING`` count too), and the module graph has no cycles.
@@ -12,18 +13,22 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "lowgrad"
 
+CORE = {"base", "buffers", "contracts", "runtime"}  # what was one folder, core/, by what each layer is
 ALLOWED: dict[str, set[str]] = {
-    "core": {"core"},
-    "sr": {"core", "sr"},
-    "ops": {"core", "sr"},
-    "cuda": {"core", "sr", "cuda"},
-    "host": {"core", "sr", "host"},
-    "managers": {"core", "sr", "ops", "diagnostics", "managers"},
-    "launch": {"core", "sr", "cuda", "host", "launch"},  # starting ranks: the one layer that picks a backend
-    "diagnostics": {"core", "diagnostics"},
-    "checkpoint": {"core", "managers", "checkpoint"},  # every rank's state on disk (no backend)
-    "cli": {"core", "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "checkpoint", "cli"},
-    "torch": {"core", "sr", "ops", "managers", "diagnostics", "checkpoint", "torch"},  # the PyTorch adapter
+    "base": {"base"},  # errors, dtypes, integer and timeout rules, trace
+    "buffers": {"base", "buffers"},  # memory, tensors, DLPack, release, streams, capture
+    "contracts": {"base", "buffers", "contracts"},  # the device, kernel-table and communicator contracts
+    "runtime": {"base", "runtime"},  # thread ranks and the watchdog
+    "sr": {*CORE, "sr"},
+    "ops": {*CORE, "sr"},
+    "cuda": {*CORE, "sr", "cuda"},
+    "host": {*CORE, "sr", "host"},
+    "managers": {*CORE, "sr", "ops", "diagnostics", "managers"},
+    "launch": {*CORE, "sr", "cuda", "host", "launch"},  # starting ranks: the one layer that picks a backend
+    "diagnostics": {*CORE, "diagnostics"},
+    "checkpoint": {*CORE, "managers", "checkpoint"},  # every rank's state on disk (no backend)
+    "cli": {*CORE, "sr", "ops", "cuda", "host", "managers", "launch", "diagnostics", "checkpoint", "cli"},
+    "torch": {*CORE, "sr", "ops", "managers", "diagnostics", "checkpoint", "torch"},  # the PyTorch adapter
 }
 TOP = {"__init__", "__main__"}  # the public front: may import anything
 
@@ -119,10 +124,10 @@ def test_no_import_cycles() -> None:
 def test_rules_catch_a_violation(tmp_path: Path) -> None:
     """The walker itself: a host module importing cuda is reported."""
     p = tmp_path / "x.py"
-    p.write_text("from lowgrad.cuda import device\nfrom ..core import tensor\n")
-    known = {"cuda.device", "core.tensor", "host.x"}
+    p.write_text("from lowgrad.cuda import device\nfrom ..buffers import tensor\n")
+    known = {"cuda.device", "buffers.tensor", "host.x"}
     deps = _imports("host.x", p, known)
-    assert deps == {"cuda.device", "core.tensor"}
+    assert deps == {"cuda.device", "buffers.tensor"}
     assert _layer("cuda.device") not in ALLOWED["host"]
 
 

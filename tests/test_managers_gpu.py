@@ -22,7 +22,7 @@ from test_protocol import (
 )
 
 import lowgrad as lg
-from lowgrad.core import release
+from lowgrad.buffers import release
 from lowgrad.managers import ProtocolError
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, LAST_STEP
 

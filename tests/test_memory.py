@@ -1,4 +1,4 @@
-"""CPU tests of lowgrad.core.memory: memory kinds, bad sizes, close and GC, the lazy allocator and the report."""
+"""CPU tests of lowgrad.buffers.memory: memory kinds, bad sizes, close and GC, the lazy allocator and the report."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +8,7 @@ import pytest
 
 import lowgrad as lg
 import lowgrad.cuda.driver
-from lowgrad.core.memory import ALIGN
+from lowgrad.buffers.memory import ALIGN
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_gc_frees(host: lg.HostDevice) -> None:
     t = host.alloc(1000, lg.fp32, name="tmp")
     assert host.memory_report().bytes("tmp") == 4000
     del t
-    gc.collect()  # the finalizer only queues the release (lowgrad.core.release) ...
+    gc.collect()  # the finalizer only queues the release (lowgrad.buffers.release) ...
     host.synchronize()  # ... a safe point runs it
     assert host.memory_report().bytes("tmp") == 0
 

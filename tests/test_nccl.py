@@ -116,6 +116,6 @@ def test_a_symbol_missing_from_the_real_library_is_a_library_error(monkeypatch):
     with pytest.raises(nccl.NcclLibraryError, match="ncclNoSuchSymbol") as info:
         nccl.version()
     assert path in str(info.value)
-    from lowgrad.core.errors import NcclLibraryError
+    from lowgrad.base.errors import NcclLibraryError
 
     assert nccl.NcclLibraryError is NcclLibraryError

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.kernels import ELEMENTWISE, Elementwise, Kernels
-from lowgrad.core.tensor import span
+from lowgrad.buffers.tensor import span
+from lowgrad.contracts.kernels import ELEMENTWISE, Elementwise, Kernels
 from lowgrad.cuda.kernels import CudaKernels
 from lowgrad.host.kernels import HostKernels
 
 REPO = Path(__file__).resolve().parents[1]
 # constant -> the one module that may assign it
-HOMES = {"U32": "lowgrad/core/limits.py", "U64": "lowgrad/core/limits.py",
-         "HOST_ALLOC_LIMIT": "lowgrad/core/limits.py", "SR_DTYPES": "lowgrad/sr/checks.py",
-         "F32_MAX": "lowgrad/sr/checks.py", "OPS": "lowgrad/core/communicator.py",
-         "SeedSource": "lowgrad/core/kernels.py"}
+HOMES = {"U32": "lowgrad/base/limits.py", "U64": "lowgrad/base/limits.py",
+         "HOST_ALLOC_LIMIT": "lowgrad/base/limits.py", "SR_DTYPES": "lowgrad/sr/checks.py",
+         "F32_MAX": "lowgrad/sr/checks.py", "OPS": "lowgrad/contracts/communicator.py",
+         "SeedSource": "lowgrad/contracts/kernels.py"}
 ALIASES = {"_U32": "U32", "_U64": "U64", "_HOST_LIMIT": "HOST_ALLOC_LIMIT", "_F32_MAX": "F32_MAX",
            "MULTI_MAX": "a kernel source", "MULTI_CHUNK": "a kernel source", "ELEMS_PER_THREAD": "a kernel source",
            "SUM": "OPS", "AVG": "OPS"}

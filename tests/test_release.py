@@ -1,4 +1,4 @@
-"""GC-safe release (lowgrad.core.release): finalizers only queue, safe points drain; the registry lock
+"""GC-safe release (lowgrad.buffers.release): finalizers only queue, safe points drain; the registry lock
 survives the cyclic GC; the numpy view of host memory keeps it alive; trace.enable while other
 threads log. All on the host backend."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import capture, release, trace
+from lowgrad.base import trace
+from lowgrad.buffers import capture, release
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core import dlpack, release
+from lowgrad.buffers import dlpack, release
 from lowgrad.cuda import nccl
 
 pytestmark = pytest.mark.gpu

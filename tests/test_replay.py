@@ -1,4 +1,4 @@
-"""CUDA-graph support without a GPU: the capture guards (lowgrad.core.capture), lowgrad.Graph's
+"""CUDA-graph support without a GPU: the capture guards (lowgrad.buffers.capture), lowgrad.Graph's
 argument checks, and the gradient manager's template/replay state machine driven on the host
 backend by a stand-in graph (the CUDA run is tests/test_graph_gpu.py)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from test_managers import small_layout
 
 import lowgrad as lg
-from lowgrad.core import capture
+from lowgrad.buffers import capture
 from lowgrad.managers import ProtocolError
 from lowgrad.sr.seedcounter import COUNTER_DTYPE
 

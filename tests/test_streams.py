@@ -1,4 +1,4 @@
-"""CPU tests of lowgrad.core.streams (the stream-argument rule) and the host backend's streams and events."""
+"""CPU tests of lowgrad.buffers.streams (the stream-argument rule) and the host backend's streams and events."""
 from __future__ import annotations
 
 import pytest

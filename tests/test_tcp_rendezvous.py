@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lowgrad.core.errors import CommTimeoutError
+from lowgrad.base.errors import CommTimeoutError
 from lowgrad.launch import tcp_rendezvous as tcp
 from lowgrad.launch.rendezvous import unique_id_from_env
 from lowgrad.launch.tcp_rendezvous import exchange_unique_id

@@ -1,4 +1,4 @@
-"""CPU tests of lowgrad.core.tensor: views, shard_view, containers, numpy round trips, bitcast,
+"""CPU tests of lowgrad.buffers.tensor: views, shard_view, containers, numpy round trips, bitcast,
 DLPack on the host, copies."""
 from __future__ import annotations
 

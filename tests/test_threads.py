@@ -1,11 +1,11 @@
-"""Ranks as threads (lowgrad.core.threads): the agreement on each collective and the AbortEvent
+"""Ranks as threads (lowgrad.runtime.threads): the agreement on each collective and the AbortEvent
 that carries run_threads' reason to ranks that share nothing else."""
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-from lowgrad.core.threads import AbortEvent, ThreadCollective
+from lowgrad.runtime.threads import AbortEvent, ThreadCollective
 
 
 def _on_two_ranks(fn: Any) -> list[Any]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.errors import ProtocolError
+from lowgrad.base.errors import ProtocolError
 
 torch = pytest.importorskip("torch")
 from lowgrad.torch import attach, module_layout  # noqa: E402

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.errors import NonFiniteGradientError, ProtocolError
+from lowgrad.base.errors import NonFiniteGradientError, ProtocolError
 
 torch = pytest.importorskip("torch")
 from test_torch_adapter import Tiny, by_hand, loss, shards  # noqa: E402

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import lowgrad as lg
-from lowgrad.core.errors import ProtocolError
+from lowgrad.base.errors import ProtocolError
 
 torch = pytest.importorskip("torch")
 from test_torch_adapter import Tiny, loss  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 from helpers import Records
 
 import lowgrad as lg
-from lowgrad.core import trace
+from lowgrad.base import trace
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_trace_file_gets_one_line_per_copy(tmp_path: Path) -> None:
 
 
 def test_trace_from_environment_and_off_by_default(tmp_path: Path) -> None:
-    code = ("import lowgrad as lg; from lowgrad.core import trace; h = lg.HostDevice(); "
+    code = ("import lowgrad as lg; from lowgrad.base import trace; h = lg.HostDevice(); "
             "a = h.alloc(4, lg.bf16, name='x'); lg.ops.copy(a, a); print(trace.ENABLED)")
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                         env={"LOWGRAD_TRACE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lowgrad.core import trace
+from lowgrad.base import trace
 
-CODE = ("import lowgrad as lg; from lowgrad.core import trace; h = lg.HostDevice(); "
+CODE = ("import lowgrad as lg; from lowgrad.base import trace; h = lg.HostDevice(); "
         "a = h.alloc(4, lg.bf16, name='x'); lg.ops.copy(a, a); print(trace.ENABLED)")
 
 

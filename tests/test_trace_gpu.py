@@ -10,7 +10,7 @@ import pytest
 from helpers import Records
 
 import lowgrad as lg
-from lowgrad.core import trace
+from lowgrad.base import trace
 from lowgrad.cuda import nccl
 
 pytestmark = pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The watchdog's logic on the CPU (lowgrad/core/watchdog.py), against stand-ins for the CUDA event
+"""The watchdog's logic on the CPU (lowgrad/runtime/watchdog.py), against stand-ins for the CUDA event
 (a marker), ncclCommGetAsyncError (poll), ncclCommAbort (abort) and the clock: what is late is
 aborted within the timeout and a small margin, with one reason every waiter hears; what completed
 never is; no thread is left behind."""
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from helpers import watchdog_threads
 
-from lowgrad.core.errors import CommAbortedError, CommTimeoutError
-from lowgrad.core.watchdog import INTERVAL_MAX, Watchdog
+from lowgrad.base.errors import CommAbortedError, CommTimeoutError
+from lowgrad.runtime.watchdog import INTERVAL_MAX, Watchdog
 
 
 class Marker:
@@ -200,7 +200,7 @@ def test_poll_failure_is_the_reason_and_abort_runs_once() -> None:
 
 
 def test_an_error_with_its_own_constructor_reaches_each_waiter_as_its_own_instance() -> None:
-    from lowgrad.core.errors import NcclError
+    from lowgrad.base.errors import NcclError
 
     wd, _, _, _ = make()
     wd.fail(NcclError("ncclCommGetAsyncError", 6, "ncclRemoteError", "remote process exited", "peer gone"))

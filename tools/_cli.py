@@ -186,7 +186,7 @@ def check_world(layout: object, world: int, what: str = "--world") -> None:
 def run(tool: str, main: Callable[[], int]) -> int:
     """``main()``'s exit status, or :data:`CANNOT_RUN` after one line on stderr when it cannot
     run here (see the module's docstring)."""
-    from lowgrad.core.errors import CudaUnavailableError, NcclLibraryError
+    from lowgrad.base.errors import CudaUnavailableError, NcclLibraryError
 
     try:
         return main()

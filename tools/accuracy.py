@@ -39,7 +39,7 @@ from _cli import CannotRun, Parser, float_list, int_list, output_help, output_pa
 import ml_dtypes
 import numpy as np
 
-from lowgrad.core.dtypes import bf16
+from lowgrad.base.dtypes import bf16
 from lowgrad.sr.reference import add_sr
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, NEXT_MICRO, ROUNDINGS, SET, apply_op, roundings
 

@@ -25,7 +25,7 @@ from _cli import Parser, load_layout, output_help, output_path, require_cuda, ru
 import numpy as np
 
 import lowgrad as lg
-from lowgrad.core.tensor import Tensor, span
+from lowgrad.buffers.tensor import Tensor, span
 
 
 def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, ...], stream: Any, m: int, M: int) -> None:

@@ -252,7 +252,7 @@ class Bench:
     def launch_overhead(self, calls: int) -> None:
         import numpy as np
         lg = self.lg
-        from lowgrad.core.kernel_source import kernel_for
+        from lowgrad.contracts.kernel_source import kernel_for
         n = 1024
         a = lg.from_numpy(np.ones(n, np.float32).astype(lg.bf16.np), self.dev, name="bench")
         b = lg.from_numpy(np.full(n, 1e-3, np.float32).astype(lg.bf16.np), self.dev, name="bench")

@@ -26,10 +26,10 @@ from _cli import Parser, load_layout, output_help, output_path, require_cuda, ru
 import numpy as np
 
 import lowgrad as lg
+from lowgrad.base.dtypes import byte
+from lowgrad.buffers.tensor import span
 from lowgrad.cli.bandwidth import copy_bandwidths
-from lowgrad.core.dtypes import byte
-from lowgrad.core.kernel_source import kernel_for
-from lowgrad.core.tensor import span
+from lowgrad.contracts.kernel_source import kernel_for
 from lowgrad.sr.seedcounter import SeedCounter
 from lowgrad.sr.seeds import use_seed
 

@@ -38,10 +38,10 @@ from _cli import Parser, check_world, load_layout, output_help, output_path, req
 import numpy as np
 
 import lowgrad as lg
+from lowgrad.base.dtypes import byte
+from lowgrad.buffers.memory import align_up
+from lowgrad.buffers.tensor import span
 from lowgrad.cli.bandwidth import copy_bandwidths
-from lowgrad.core.dtypes import byte
-from lowgrad.core.memory import align_up
-from lowgrad.core.tensor import span
 
 # the layout by backend: a 1.5B model loads an H200; on the CPU a tiny one finishes in seconds
 DEFAULT_CONFIG = {"cuda": "Qwen2.5-1.5B", "host": "tiny"}

@@ -32,7 +32,7 @@ from _cli import run as run_tool
 import numpy as np
 
 import lowgrad as lg
-from lowgrad.core.streams import stream_handle
+from lowgrad.buffers.streams import stream_handle
 from lowgrad.cuda.compiler import kernel
 
 STRATS = (("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lowgrad.core.integers import integer
+from lowgrad.base.integers import integer
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple, TypeVar, cast
 import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype name, which manifests use
 import numpy as np
 
+from lowgrad.base.errors import CheckpointError
 from lowgrad.checkpoint import durable
 from lowgrad.checkpoint.rows import Rows
-from lowgrad.core.errors import CheckpointError
 from lowgrad.managers.state import ManagerState, resume_state
 
 FORMAT, VERSION = "lowgrad-checkpoint", 1

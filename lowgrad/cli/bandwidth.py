@@ -6,8 +6,8 @@ import statistics
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core.dtypes import byte
-from lowgrad.core.tensor import Tensor
+from lowgrad.base.dtypes import byte
+from lowgrad.buffers.tensor import Tensor
 
 
 def copy_seconds(dev: Any, dst: Tensor, src: Tensor, reps: int = 10) -> float:

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from lowgrad import ops
+from lowgrad.base.dtypes import bf16
+from lowgrad.base.errors import LowgradError
+from lowgrad.buffers.tensor import Tensor, from_numpy
 from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.cli.demo_report import Result, error_stats, failures, print_results
-from lowgrad.core.dtypes import bf16
-from lowgrad.core.errors import LowgradError
-from lowgrad.core.tensor import Tensor, from_numpy
 from lowgrad.cuda import driver as _cuda
 from lowgrad.managers.layout import Layout, ParamSpec, llama_layout
 

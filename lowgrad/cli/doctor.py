@@ -13,7 +13,7 @@ import platform
 import sys
 from collections.abc import Callable
 
-from lowgrad.core.version import __version__
+from lowgrad.base.version import __version__
 
 SUMMARY = "check the installation: libraries, kernel cache, driver, GPUs, a kernel/NCCL smoke test"
 DESCRIPTION = """\
@@ -77,7 +77,7 @@ class _Doctor:
     def check(self, name: str, fn: Callable[[], str]) -> bool:
         """Run ``fn`` and print ``name``'s line; True when it is ok. An :class:`Absent` result
         and a CudaUnavailableError are ``absent``, not FAILED."""
-        from lowgrad.core.errors import CudaUnavailableError
+        from lowgrad.base.errors import CudaUnavailableError
 
         try:
             detail = fn()
@@ -139,7 +139,7 @@ _GET_GPU_STACK = "the host backend needs none; the cu12 or cu13 extra installs i
 
 
 def _nvrtc() -> str:
-    from lowgrad.core.errors import NvrtcError
+    from lowgrad.base.errors import NvrtcError
     from lowgrad.cuda import compiler
 
     try:
@@ -241,8 +241,8 @@ def _kernel_smoke() -> str:
     import numpy as np
 
     from lowgrad import ops
-    from lowgrad.core.dtypes import bf16
-    from lowgrad.core.tensor import from_numpy
+    from lowgrad.base.dtypes import bf16
+    from lowgrad.buffers.tensor import from_numpy
     from lowgrad.cuda.device import Device
 
     d = Device(0)
@@ -260,7 +260,7 @@ def _kernel_smoke() -> str:
 def _nccl_world1() -> str:
     import numpy as np
 
-    from lowgrad.core.tensor import from_numpy
+    from lowgrad.buffers.tensor import from_numpy
     from lowgrad.launch.bootstrap import run_threads
 
     def job(comm: object) -> float:
@@ -279,7 +279,7 @@ def _graph() -> str:
     import numpy as np
 
     from lowgrad import ops
-    from lowgrad.core.tensor import from_numpy
+    from lowgrad.buffers.tensor import from_numpy
     from lowgrad.cuda.device import Device
     from lowgrad.cuda.graph import Graph
 

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
+from lowgrad.base.version import __version__
 from lowgrad.cli import demo, doctor
-from lowgrad.core.version import __version__
 
 _MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "__main__.py")
 DESCRIPTION = """\

@@ -7,7 +7,7 @@ when unset):
   is queued, with no thread and no poll per call. NCCL's ``ncclGroupEnd`` hands every launch
   that involves a peer of a *non-blocking* communicator to a new thread and returns
   ``ncclInProgress``, which the caller must then poll: a thread creation and a sleeping poll per
-  collective at world >= 2. Instead a :class:`~lowgrad.core.watchdog.Watchdog` thread per
+  collective at world >= 2. Instead a :class:`~lowgrad.runtime.watchdog.Watchdog` thread per
   communicator bounds what the issuing thread no longer watches: the work each call queued (a
   CUDA event recorded after it, from a ring made once; at world 1 no peer can leave a call
   unfinished, so none is recorded), a call blocked in the host (NCCL's lazy connection setup at
@@ -50,16 +50,16 @@ from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
-from lowgrad.core import capture, release
-from lowgrad.core.communicator import Group, all_to_all_schedule
-from lowgrad.core.dtypes import byte, fp8_e4m3
-from lowgrad.core.errors import CommAbortedError, NcclError
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
-from lowgrad.core.threads import AbortEvent
-from lowgrad.core.watchdog import Watchdog
+from lowgrad.base.dtypes import byte, fp8_e4m3
+from lowgrad.base.errors import CommAbortedError, NcclError
+from lowgrad.buffers import capture, release
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.communicator import Group, all_to_all_schedule
 from lowgrad.cuda import nccl
 from lowgrad.cuda.gpu_comm import GpuCommBase
+from lowgrad.runtime.threads import AbortEvent
+from lowgrad.runtime.watchdog import Watchdog
 
 BLOCKING_ENV = "LOWGRAD_NCCL_BLOCKING"
 _RING = 256  # events per communicator: calls whose completion the watchdog can tell apart
@@ -90,7 +90,7 @@ class Communicator(GpuCommBase):
     watchdog; in non-blocking mode the polling of in-progress NCCL calls) and :meth:`wait`.
     Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a pending
     initialisation or wait (``run_threads`` uses it when another rank fails; an
-    :class:`~lowgrad.core.threads.AbortEvent` also gives the reason every later call raises).
+    :class:`~lowgrad.runtime.threads.AbortEvent` also gives the reason every later call raises).
     ``blocking``: see the module docstring (None: ``LOWGRAD_NCCL_BLOCKING``, blocking when unset).
     """
 

@@ -3,7 +3,7 @@
 No GPU is needed: :func:`compile_kernels` builds every kernel module (each ``.cu`` file of
 :func:`kernel_dir`) for an architecture such as ``"sm_90"``, through the on-disk cache of
 :mod:`lowgrad.cuda.cache`. The sources' entry points and constants are read by
-:mod:`lowgrad.core.kernel_source` (re-exported here for the CUDA layer's users).
+:mod:`lowgrad.contracts.kernel_source` (re-exported here for the CUDA layer's users).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lowgrad.core.errors import NvrtcError
-from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_dir, kernel_for, kernel_specs, modules
+from lowgrad.base.errors import NvrtcError
+from lowgrad.contracts.kernel_source import KernelSpec, constants, kernel, kernel_dir, kernel_for, kernel_specs, modules
 from lowgrad.cuda import cache
 from lowgrad.cuda.cache import cache_dir, check_cache, clear_memory_cache
 

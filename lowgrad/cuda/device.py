@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lowgrad.core import capture, release
-from lowgrad.core.backend import DeviceBase
-from lowgrad.core.integers import integer
-from lowgrad.core.limits import HOST_ALLOC_LIMIT
-from lowgrad.core.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
+from lowgrad.base.integers import integer
+from lowgrad.base.limits import HOST_ALLOC_LIMIT
+from lowgrad.buffers import capture, release
+from lowgrad.buffers.memory import KIND_ACCESS, RawBlock, aligned_host_buffer, host_array
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.backend import DeviceBase
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.stream import Event, Stream
 
@@ -167,7 +167,7 @@ class Device(DeviceBase):
 
     def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
         """device: ``cuMemAlloc``; pinned/write-combined: mapped ``cuMemHostAlloc``; host:
-        pageable numpy memory. Access follows :data:`~lowgrad.core.memory.KIND_ACCESS`."""
+        pageable numpy memory. Access follows :data:`~lowgrad.buffers.memory.KIND_ACCESS`."""
         drv = _cuda.driver()
         self.activate()
         size, on_device = max(nbytes, 1), KIND_ACCESS[kind][0]

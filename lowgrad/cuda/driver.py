@@ -1,7 +1,7 @@
 """The CUDA driver through ``cuda.bindings``: lazy initialisation and return-code checking.
 
 Importing this module never touches the driver; :func:`driver` initialises it at first use and
-raises :class:`~lowgrad.core.errors.CudaUnavailableError` where there is no driver or no GPU.
+raises :class:`~lowgrad.base.errors.CudaUnavailableError` where there is no driver or no GPU.
 Works with cuda-bindings 12.x and 13.x.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import ctypes
 import threading
 from typing import Any
 
-from lowgrad.core.errors import CudaError, CudaUnavailableError
+from lowgrad.base.errors import CudaError, CudaUnavailableError
 
 _lock = threading.Lock()
 _driver: Any = None

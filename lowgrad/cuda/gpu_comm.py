@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import capture
-from lowgrad.core.communicator import CommBase
-from lowgrad.core.errors import CommTimeoutError
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base.errors import CommTimeoutError
+from lowgrad.base.timeouts import check_timeout
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.communicator import CommBase
 
 _POLL_MIN, _POLL_MAX = 20e-6, 2e-3  # seconds between polls (doubling): quick for short waits, cheap for long
 

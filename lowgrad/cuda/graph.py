@@ -12,7 +12,7 @@
 
 Capture runs in thread-local mode (other threads keep working; ranks driven by threads each
 capture their own stream). While capturing, lowgrad refuses host syncs, allocations, kernel
-compiles and pageable copies with :class:`CaptureError` (:mod:`lowgrad.core.capture`), so warm up
+compiles and pageable copies with :class:`CaptureError` (:mod:`lowgrad.buffers.capture`), so warm up
 first: run one eager micro-step (kernels compiled, scratch allocated) before capturing.
 
 A gradient manager used inside a capture records a *template* of the micro-steps it saw (their
@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from lowgrad.core import capture, release
-from lowgrad.core.errors import CaptureError, ClosedError
-from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.base.errors import CaptureError, ClosedError
+from lowgrad.buffers import capture, release
+from lowgrad.buffers.streams import StreamLike, stream_handle
 from lowgrad.cuda import driver as _cuda
 
 _CAPTURE_MODE_THREAD_LOCAL = 1

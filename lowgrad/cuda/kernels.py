@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import capture, trace
-from lowgrad.core.dtypes import DType, byte
-from lowgrad.core.errors import ClosedError
-from lowgrad.core.kernel_source import KernelSpec, constants, kernel, kernel_for, struct_fields
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
-from lowgrad.core.tensor import Tensor, from_numpy
+from lowgrad.base import trace
+from lowgrad.base.dtypes import DType, byte
+from lowgrad.base.errors import ClosedError
+from lowgrad.buffers import capture
+from lowgrad.buffers.tensor import Tensor, from_numpy
+from lowgrad.contracts.kernel_source import KernelSpec, constants, kernel, kernel_for, struct_fields
+from lowgrad.contracts.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.compiler import compile_kernels
 from lowgrad.sr.checks import SR_DTYPES

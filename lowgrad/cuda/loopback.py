@@ -61,19 +61,20 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import capture, trace
-from lowgrad.core.communicator import Group, all_to_all_schedule
-from lowgrad.core.dtypes import bf16, byte, fp16, fp32, fp64
-from lowgrad.core.errors import CommAbortedError, CommTimeoutError
-from lowgrad.core.integers import integer
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
-from lowgrad.core.threads import ThreadCollective
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base import trace
+from lowgrad.base.dtypes import bf16, byte, fp16, fp32, fp64
+from lowgrad.base.errors import CommAbortedError, CommTimeoutError
+from lowgrad.base.integers import integer
+from lowgrad.base.timeouts import check_timeout
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.communicator import Group, all_to_all_schedule
 from lowgrad.cuda import graph
 from lowgrad.cuda.compiler import constants, kernel
 from lowgrad.cuda.gpu_comm import GpuCommBase
 from lowgrad.cuda.kernels import Kernel
+from lowgrad.runtime.threads import ThreadCollective
 
 _C = constants("loopback")
 PTRS = _C["LB_PTRS"]  # addresses one sync publishes per rank

@@ -6,10 +6,10 @@ The library is loaded at first use (never at import) from, in order: ``LOWGRAD_N
 
 The collective wrappers are thin: they take ints (device pointers, element counts, the
 ``ncclDataType_t`` code of ``DType.nccl`` and the ``ncclRedOp_t`` code of
-:data:`lowgrad.core.communicator.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
+:data:`lowgrad.contracts.communicator.OPS`, the communicator handle and a ``cudaStream_t`` handle), call
 NCCL once and return the ``ncclResult_t`` when it is ``ncclSuccess`` (0) or ``ncclInProgress``
 (7, non-blocking communicators); any other code raises
-:class:`~lowgrad.core.errors.NcclError` with ``ncclGetErrorString`` and ``ncclGetLastError``.
+:class:`~lowgrad.base.errors.NcclError` with ``ncclGetErrorString`` and ``ncclGetLastError``.
 Every call is asynchronous with respect to the host: it queues work on the given stream.
 They use the loaded library directly: call :func:`lib` first (every Communicator has).
 """
@@ -23,9 +23,9 @@ import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from importlib import metadata
 
-from lowgrad.core import trace
-from lowgrad.core.errors import NcclError
-from lowgrad.core.errors import NcclLibraryError as NcclLibraryError  # re-exported: callers catch nccl.NcclLibraryError
+from lowgrad.base import trace
+from lowgrad.base.errors import NcclError
+from lowgrad.base.errors import NcclLibraryError as NcclLibraryError  # re-exported: callers catch nccl.NcclLibraryError
 
 SUCCESS, IN_PROGRESS = 0, 7
 RESULT_NAMES = ("ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",

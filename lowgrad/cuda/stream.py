@@ -1,17 +1,17 @@
-"""Streams and events of the CUDA backend (any ``stream=`` argument: :mod:`lowgrad.core.streams`)."""
+"""Streams and events of the CUDA backend (any ``stream=`` argument: :mod:`lowgrad.buffers.streams`)."""
 from __future__ import annotations
 
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from lowgrad.core import capture, release
-from lowgrad.core.backend import check_priority
-from lowgrad.core.errors import ClosedError
-from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.base.errors import ClosedError
+from lowgrad.buffers import capture, release
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.contracts.backend import check_priority
 from lowgrad.cuda import driver as _cuda
 
 if TYPE_CHECKING:
-    from lowgrad.core.backend import DeviceBase as Device
+    from lowgrad.contracts.backend import DeviceBase as Device
 
 _CU_STREAM_NON_BLOCKING = 1
 _CU_EVENT_DISABLE_TIMING = 2
@@ -20,7 +20,7 @@ _event_fns: list[Any] = []  # [cuEventRecord, cuStreamWaitEvent] as ctypes funct
 
 
 class Stream:
-    """A CUDA stream on one device (a :class:`lowgrad.core.backend.Stream`). ``handle`` is the
+    """A CUDA stream on one device (a :class:`lowgrad.contracts.backend.Stream`). ``handle`` is the
     raw ``CUstream`` value as an int.
 
     Created streams are non-blocking with respect to the legacy default stream; a wrapped foreign

@@ -36,8 +36,8 @@ import os
 from types import TracebackType
 from typing import IO, Any
 
-from lowgrad.core.integers import integer
-from lowgrad.core.trace import logger
+from lowgrad.base.integers import integer
+from lowgrad.base.trace import logger
 from lowgrad.diagnostics.log_format import FORMAT, check_record
 from lowgrad.diagnostics.noise_scale import NoiseScale, NoiseScaleEMA
 from lowgrad.diagnostics.report import StepStats, Summary

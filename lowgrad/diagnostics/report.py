@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from lowgrad.core.integers import integer
+from lowgrad.base.integers import integer
 from lowgrad.diagnostics.noise_scale import NoiseScale, group_estimates
 from lowgrad.diagnostics.nonfinite import NonFiniteReport, first_nonfinite
 

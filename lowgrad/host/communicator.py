@@ -7,11 +7,11 @@ exit, sends first, so grouped send/recv pairs cannot deadlock). Reductions follo
 :func:`~lowgrad.host.reduce.host_reduce`.
 
 Failures never hang: a rank that raises or aborts wakes the others with
-:class:`~lowgrad.core.errors.CommAbortedError` saying which rank it was and, under
+:class:`~lowgrad.base.errors.CommAbortedError` saying which rank it was and, under
 :func:`~lowgrad.run_threads`, the exception it raised; a rank that left (``close()``) makes every
 rank that waits for it, then or later, raise CommAbortedError naming it at once (what it sent
 before leaving is still delivered); a rank that does not arrive within the timeout (``inf``: no
-limit) gives :class:`~lowgrad.core.errors.CommTimeoutError` in every waiting rank. Ranks that
+limit) gives :class:`~lowgrad.base.errors.CommTimeoutError` in every waiting rank. Ranks that
 disagree on a collective (call, dtype, size, op) all raise the same ``ValueError``.
 """
 from __future__ import annotations
@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lowgrad.core import trace
-from lowgrad.core.communicator import CommBase, Group, all_to_all_schedule
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
-from lowgrad.core.threads import ThreadCollective
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base import trace
+from lowgrad.base.timeouts import check_timeout
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.communicator import CommBase, Group, all_to_all_schedule
 from lowgrad.host.device import HostDevice
 from lowgrad.host.reduce import host_reduce
+from lowgrad.runtime.threads import ThreadCollective
 
 
 class HostCommunicator(CommBase):

@@ -8,19 +8,19 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import release
-from lowgrad.core.backend import DeviceBase, check_priority
-from lowgrad.core.kernels import Kernels
-from lowgrad.core.limits import HOST_ALLOC_LIMIT
-from lowgrad.core.memory import RawBlock, aligned_host_buffer
-from lowgrad.core.streams import StreamLike
-from lowgrad.core.tensor import Tensor
+from lowgrad.base.limits import HOST_ALLOC_LIMIT
+from lowgrad.buffers import release
+from lowgrad.buffers.memory import RawBlock, aligned_host_buffer
+from lowgrad.buffers.streams import StreamLike
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.backend import DeviceBase, check_priority
+from lowgrad.contracts.kernels import Kernels
 
 _ids = itertools.count()
 
 
 class HostStream:
-    """An eager stream (a :class:`lowgrad.core.backend.Stream`): work is done when the call that
+    """An eager stream (a :class:`lowgrad.contracts.backend.Stream`): work is done when the call that
     queues it returns. ``priority`` is checked against the device's range like CUDA's and has
     no effect."""
 
@@ -53,7 +53,7 @@ class HostStream:
 
 
 class HostEvent:
-    """A trivially complete event (a :class:`lowgrad.core.backend.Event`); records the host clock
+    """A trivially complete event (a :class:`lowgrad.contracts.backend.Event`); records the host clock
     for :meth:`elapsed_ms`."""
 
     __slots__ = ("device", "name", "timing", "_t")

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import trace
-from lowgrad.core.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
-from lowgrad.core.tensor import Tensor
+from lowgrad.base import trace
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.kernels import Elementwise, Kernels, SeedSource, StatsSink, StatsTarget
 from lowgrad.sr import reference
 from lowgrad.sr.seedcounter import COUNTER_DTYPE, Rounding, apply_op
 
@@ -45,7 +45,7 @@ def _trace(name: str, t: Tensor, stream: int) -> None:
 
 
 class Twin:
-    """The host twin of an elementwise kernel (:class:`~lowgrad.core.kernels.Elementwise`): its
+    """The host twin of an elementwise kernel (:class:`~lowgrad.contracts.kernels.Elementwise`): its
     reference function applied to the kernel's arguments, the result written to ``dst``. Called
     like the contract's method (the rounding of ``seed``), or through :meth:`apply` with a
     rounding (a bound launch's, maybe from a seed counter)."""
@@ -76,7 +76,7 @@ class Twin:
 
 
 class HostKernels(Kernels):
-    """The :class:`~lowgrad.core.kernels.Kernels` contract on host memory, eagerly: arguments
+    """The :class:`~lowgrad.contracts.kernels.Kernels` contract on host memory, eagerly: arguments
     arrive checked by :mod:`lowgrad.ops`; each call (and each bound launch) completes before
     returning, whatever the stream."""
 

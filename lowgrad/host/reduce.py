@@ -1,5 +1,5 @@
 """The host backend's reduction: :func:`host_reduce`, what every host collective computes (the
-ranks meet through :class:`lowgrad.core.threads.ThreadCollective`).
+ranks meet through :class:`lowgrad.runtime.threads.ThreadCollective`).
 
 Reductions are computed in float32 (float64 for fp64) in rank order and rounded once to the
 tensor's dtype, round-to-nearest-even; ``avg`` is that sum multiplied by ``float32(1 / world)``
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lowgrad.core.dtypes import DType
+from lowgrad.base.dtypes import DType
 
 
 def host_reduce(arrays: list[np.ndarray], op: str, world: int, dtype: DType) -> np.ndarray:

@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lowgrad.core.backend import DeviceBase
-from lowgrad.core.communicator import CommBase
-from lowgrad.core.errors import CommAbortedError
-from lowgrad.core.integers import integer
-from lowgrad.core.threads import AbortEvent
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base.errors import CommAbortedError
+from lowgrad.base.integers import integer
+from lowgrad.base.timeouts import check_timeout
+from lowgrad.contracts.backend import DeviceBase
+from lowgrad.contracts.communicator import CommBase
 from lowgrad.launch.rendezvous import launcher_env, unique_id_from_env
+from lowgrad.runtime.threads import AbortEvent
 
 _GRACE = 5.0  # seconds the other ranks get to unwind after a failure before the caller raises
 # a backend's ranks: make(rank, failed) builds rank's communicator; tell(reason) fails the whole
@@ -121,9 +121,9 @@ def _describe(exc: BaseException) -> str:
 
 
 def _host_factory(world: int, timeout: float) -> tuple[_Factory, _Tell]:
-    from lowgrad.core.threads import ThreadCollective
     from lowgrad.host.communicator import HostCommunicator
     from lowgrad.host.device import HostDevice
+    from lowgrad.runtime.threads import ThreadCollective
 
     collective = ThreadCollective(world, timeout)
     return (lambda rank, _failed: HostCommunicator(rank, world, collective, HostDevice(f"host{rank}"), timeout),

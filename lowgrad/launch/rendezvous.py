@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base.timeouts import check_timeout
 from lowgrad.launch.tcp_rendezvous import check_host, exchange_unique_id, token_key
 
 

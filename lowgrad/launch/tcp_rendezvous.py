@@ -23,9 +23,9 @@ import time
 import warnings
 from typing import Any
 
-from lowgrad.core.errors import CommTimeoutError
-from lowgrad.core.integers import integer
-from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout
+from lowgrad.base.errors import CommTimeoutError
+from lowgrad.base.integers import integer
+from lowgrad.base.timeouts import DEFAULT_TIMEOUT, check_timeout
 
 _MAGIC = b"LGRDV\x00\x02\x00"
 _NONCE = 32

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowgrad.core.dtypes import DType, bf16
-from lowgrad.core.errors import ProtocolError
+from lowgrad.base.dtypes import DType, bf16
+from lowgrad.base.errors import ProtocolError
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.manager import GradientManager
 from lowgrad.managers.strategies import STRATEGIES

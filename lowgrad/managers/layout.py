@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowgrad.core.dtypes import DType, as_dtype
-from lowgrad.core.integers import integer
+from lowgrad.base.dtypes import DType, as_dtype
+from lowgrad.base.integers import integer
 
 
 @dataclass(frozen=True)

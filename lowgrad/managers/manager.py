@@ -44,13 +44,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core import capture
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
-from lowgrad.core.errors import ClosedError, ProtocolError
-from lowgrad.core.integers import integer
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Container, Tensor, shard_view
-from lowgrad.core.trace import nvtx_range
+from lowgrad.base.dtypes import DType, as_dtype, bf16, fp32
+from lowgrad.base.errors import ClosedError, ProtocolError
+from lowgrad.base.integers import integer
+from lowgrad.base.trace import nvtx_range
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Container, Tensor, shard_view
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room

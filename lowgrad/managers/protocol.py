@@ -3,7 +3,7 @@
 Per micro-batch the engine calls ``start_micro_step``, fetches and notifies the non-block
 gradients it produces, fetches and notifies the layers from ``L-1`` down to ``0``, then
 ``end_micro_step``. :class:`MicroStepState` holds where the engine is in that sequence and
-raises :class:`~lowgrad.core.errors.ProtocolError` for every call out of order, before the
+raises :class:`~lowgrad.base.errors.ProtocolError` for every call out of order, before the
 manager queues any work.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowgrad.core.errors import ProtocolError
-from lowgrad.core.integers import integer
+from lowgrad.base.errors import ProtocolError
+from lowgrad.base.integers import integer
 from lowgrad.sr.seedcounter import LAST_STEP
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowgrad.core import capture
-from lowgrad.core.errors import ProtocolError
-from lowgrad.core.streams import StreamLike
+from lowgrad.base.errors import ProtocolError
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike
 from lowgrad.managers.protocol import HostState, MicroStepState, check_step_room
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from lowgrad import ops
-from lowgrad.core.integers import integer
+from lowgrad.base.integers import integer
 from lowgrad.managers.protocol import check_step
 from lowgrad.sr.seedcounter import check_rounding
 

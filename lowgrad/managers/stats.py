@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 
 from lowgrad import ops
-from lowgrad.core import capture
-from lowgrad.core.dtypes import fp64
-from lowgrad.core.errors import ClosedError, ProtocolError
-from lowgrad.core.kernels import StatsSink
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Tensor
+from lowgrad.base.dtypes import fp64
+from lowgrad.base.errors import ClosedError, ProtocolError
+from lowgrad.buffers import capture
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Tensor
+from lowgrad.contracts.kernels import StatsSink
 from lowgrad.diagnostics.report import Stats, StepStats, check_names
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import HostState

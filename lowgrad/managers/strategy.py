@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lowgrad import ops
-from lowgrad.core.dtypes import DType
-from lowgrad.core.kernels import StatsSink
-from lowgrad.core.streams import StreamLike
-from lowgrad.core.tensor import Container, Tensor
+from lowgrad.base.dtypes import DType
+from lowgrad.buffers.streams import StreamLike
+from lowgrad.buffers.tensor import Container, Tensor
+from lowgrad.contracts.kernels import StatsSink
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.protocol import MicroStepState
 from lowgrad.managers.stats import StatsRows

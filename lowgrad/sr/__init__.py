@@ -1,3 +1,3 @@
 """Stochastic rounding: the argument rules of the SR kernels (checks), Philox4x32-10, per-use
 seeds, the numpy reference of every kernel, and the device-side seed counter. Imports only
-``core``."""
+``base``, ``buffers`` and ``contracts``."""

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core.dtypes import DType, as_dtype, bf16, fp32
-from lowgrad.core.limits import U32, U64
+from lowgrad.base.dtypes import DType, as_dtype, bf16, fp32
+from lowgrad.base.limits import U32, U64
 
 SR_DTYPES: tuple[DType, ...] = (fp32, bf16)  # dtypes the SR kernels read and write
 F32_MAX = float(np.finfo(np.float32).max)  # the kernels multiply by scale in float32

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from lowgrad.core.limits import U64
+from lowgrad.base.limits import U64
 
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)  # round multipliers of ctr[0], ctr[2]
 W0, W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)  # key increments

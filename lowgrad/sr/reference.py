@@ -1,7 +1,7 @@
 """The executable definition of lowgrad's kernels in numpy (docs/design.md, "Stochastic rounding" and
 "Kernels"); the device kernels match it bit for bit, and the host backend runs these functions as
 its kernels (an elementwise kernel's host twin is the function of its name here, see
-:class:`lowgrad.core.kernels.Elementwise`).
+:class:`lowgrad.contracts.kernels.Elementwise`).
 
 Each function's docstring gives the float32 operation order, which the kernel follows exactly,
 and each checks its arguments with the value rules of :mod:`lowgrad.sr.checks`, which
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core.dtypes import bf16, fp32
-from lowgrad.core.limits import U32
+from lowgrad.base.dtypes import bf16, fp32
+from lowgrad.base.limits import U32
 from lowgrad.sr.checks import (
     check_accumulate,
     check_index_offset,

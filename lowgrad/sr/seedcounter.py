@@ -19,7 +19,7 @@ seed from the host at launch:
 A captured CUDA graph therefore draws fresh noise on every replay; the counter advances by
 kernels queued on the manager's stream (``kernels/seed_counter.cu``), in the same order in eager
 runs and in replays. The host backend keeps it in numpy memory. The counter's layout, the mode
-values and the op codes are read from those sources (:mod:`lowgrad.core.kernel_source`).
+values and the op codes are read from those sources (:mod:`lowgrad.contracts.kernel_source`).
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lowgrad.core.dtypes import byte
-from lowgrad.core.kernel_source import constants, struct_fields
-from lowgrad.core.limits import U32, U64
-from lowgrad.core.streams import StreamLike, stream_handle
+from lowgrad.base.dtypes import byte
+from lowgrad.base.limits import U32, U64
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.contracts.kernel_source import constants, struct_fields
 from lowgrad.sr.seeds import use_seeds
 
 _SOURCE = constants("seed_counter")  # with kernels/sr.cuh, which it includes

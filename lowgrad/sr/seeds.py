@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from lowgrad.core.limits import U32, U64
+from lowgrad.base.limits import U32, U64
 
 NON_BLOCK_LAYER = 0xFFFFFFFF
 

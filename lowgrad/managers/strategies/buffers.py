@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core.streams import StreamLike
-from lowgrad.core.tensor import Container, Tensor
+from lowgrad.buffers.streams import StreamLike
+from lowgrad.buffers.tensor import Container, Tensor
 from lowgrad.managers.strategy import StatsTarget, StrategyContext
 
 

@@ -47,9 +47,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core.integers import integer
-from lowgrad.core.streams import StreamLike
-from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.base.integers import integer
+from lowgrad.buffers.streams import StreamLike
+from lowgrad.buffers.tensor import Container, Tensor, shard_view
 from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 

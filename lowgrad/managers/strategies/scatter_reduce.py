@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lowgrad import ops
-from lowgrad.core.kernels import StatsSink
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import Container, Tensor, shard_view
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import Container, Tensor, shard_view
+from lowgrad.contracts.kernels import StatsSink
 from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 

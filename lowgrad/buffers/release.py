@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lowgrad.core import capture
+from lowgrad.buffers import capture
 
 _queue: queue.SimpleQueue[Finalizer] = queue.SimpleQueue()
 _live: dict[Finalizer, None] = {}  # finalizers whose release has not been queued or run yet

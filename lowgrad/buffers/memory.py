@@ -4,7 +4,7 @@ An :class:`Allocation` is one raw block (device, pinned, write-combined or plain
 owned by a backend. :meth:`Allocation.close` or garbage collection, whichever comes first, ends
 lowgrad's use of it (every tensor viewing it then raises on use); the memory itself is freed
 once no exported view (DLPack, a host numpy view) holds it any more, at the next safe point of
-:mod:`lowgrad.core.release`.
+:mod:`lowgrad.buffers.release`.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from lowgrad.core import release
-from lowgrad.core.errors import ClosedError
+from lowgrad.base.errors import ClosedError
+from lowgrad.buffers import release
 
 KINDS = ("device", "pinned", "write_combined", "host")
 #: who can address each kind on a GPU backend: kind -> (device-accessible, host-accessible).
@@ -120,8 +120,8 @@ class RawBlock(NamedTuple):
 class Memory:
     """The raw block behind an :class:`Allocation`: it lives while the allocation is open or an
     exported view (DLPack capsule, :meth:`Allocation.host_bytes` array) refers to it. When the
-    last reference goes, its :class:`~lowgrad.core.release.Finalizer` queues the free and the report
-    update (:mod:`lowgrad.core.release`). It holds nothing that refers back to it, so reference
+    last reference goes, its :class:`~lowgrad.buffers.release.Finalizer` queues the free and the report
+    update (:mod:`lowgrad.buffers.release`). It holds nothing that refers back to it, so reference
     counting (not the cyclic GC) frees it."""
 
     __slots__ = ("ptr", "nbytes", "host", "_release", "__weakref__")
@@ -214,7 +214,7 @@ class Allocation:
 
 
 def _release(free: Callable[[], None], registry: Registry, parts: dict[str, int], kind: str) -> None:
-    """Run by :func:`lowgrad.core.release.drain`: free the block, then update the report."""
+    """Run by :func:`lowgrad.buffers.release.drain`: free the block, then update the report."""
     free()
     registry.add(parts, kind, -1)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from lowgrad.core.errors import CaptureError
+from lowgrad.base.errors import CaptureError
 
 _local = threading.local()
 active = [0]  # captures in progress in any thread

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowgrad.core.limits import U64
+from lowgrad.base.limits import U64
 
 StreamLike = Any  # None | a lowgrad stream | int | object with __cuda_stream__ / cuda_stream
 

@@ -8,7 +8,7 @@ lazy connection setup) can block the host inside the call. The :class:`Watchdog`
 things, one round (:meth:`Watchdog.tick`) every ``interval`` seconds:
 
 - the target's health, through ``poll()`` (NCCL's asynchronous error, ``run_threads``'
-  :class:`~lowgrad.core.threads.AbortEvent`): an exception it returns is the failure;
+  :class:`~lowgrad.runtime.threads.AbortEvent`): an exception it returns is the failure;
 - a call that blocks the host: :meth:`Watchdog.enter` / :meth:`Watchdog.leave` bracket it, and
   one open for longer than ``timeout`` fails with CommTimeoutError;
 - outstanding work: :meth:`Watchdog.leave` records the next of a fixed ring of ``markers``
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from lowgrad.core.errors import CommTimeoutError
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base.errors import CommTimeoutError
+from lowgrad.base.timeouts import check_timeout
 
 INTERVAL_MAX = 0.05  # seconds between rounds at most: the abort comes within timeout + this
 

@@ -1,4 +1,4 @@
-"""The kernel table contract: what :attr:`lowgrad.core.backend.DeviceBase.kernels` returns on
+"""The kernel table contract: what :attr:`lowgrad.contracts.backend.DeviceBase.kernels` returns on
 every backend (CUDA: NVRTC-compiled kernels, ``lowgrad.cuda.kernels.CudaKernels``; host: the
 numpy reference, ``lowgrad.host.kernels.HostKernels``). :mod:`lowgrad.ops` checks every argument
 and then calls in here, so implementations may assume: tensors are live, on this device, in
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, overload
 
-from lowgrad.core.tensor import Tensor
+from lowgrad.buffers.tensor import Tensor
 
 P = ParamSpec("P")
 
@@ -72,7 +72,7 @@ class Elementwise(Generic[P]):
     written), then scalars, with ``seed`` and ``index_offset`` (element ``i`` rounds with the
     noise of ``seed`` at index ``index_offset + i``), then ``stream``. Its CUDA entry points are
     ``<name>_<tag>...`` with one dtype tag per tensor, in order
-    (:func:`lowgrad.core.kernel_source.kernel_for`), whose parameters are the method's arguments
+    (:func:`lowgrad.contracts.kernel_source.kernel_for`), whose parameters are the method's arguments
     by name (tensors as pointers), ``n``, and the names of ``unset`` (passed as 0). Its host twin
     is the function ``<name>`` of :mod:`lowgrad.sr.reference`, given the arguments by name
     (tensors as flat arrays; ``dst`` as ``out_dtype`` when the function does not read it) and the
@@ -154,7 +154,7 @@ class Kernels(ABC):
     def bind_add_sr(self, dst: Tensor, a: Tensor, b: Tensor, scale: float, index_offset: int
                     ) -> Callable[[int, int], None]:
         """:meth:`add_sr` with everything but the seed fixed now: the returned ``f(seed, stream)``
-        queues it. ``f`` raises :class:`~lowgrad.core.errors.ClosedError` once a tensor was
+        queues it. ``f`` raises :class:`~lowgrad.base.errors.ClosedError` once a tensor was
         closed, before queueing anything."""
 
     @abstractmethod

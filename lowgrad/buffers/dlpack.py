@@ -2,14 +2,14 @@
 (``"dltensor_versioned"``, DLPack 1.x, writable) for a consumer that passes ``max_version`` >=
 (1, 0), the legacy ``DLManagedTensor`` capsule (``"dltensor"``) otherwise.
 
-Lifetime: an export holds the tensor's raw block (:class:`lowgrad.core.memory.Memory`), not the
+Lifetime: an export holds the tensor's raw block (:class:`lowgrad.buffers.memory.Memory`), not the
 tensor, so ``close()`` of the tensor or of its manager ends lowgrad's use at once while the memory
 stays valid until the consumer calls the deleter. The deleter only drops that reference; when it
-was the last one, the block's finalizer queues the free (:mod:`lowgrad.core.release`).
+was the last one, the block's finalizer queues the free (:mod:`lowgrad.buffers.release`).
 
 The capsules have no destructor: a capsule destructor runs while the consumer's exception may be
 pending (numpy refusing bf16), and Python code cannot run there without replacing that exception
-by a ``SystemError``. Instead every drain of :mod:`lowgrad.core.release` looks at the capsules not yet
+by a ``SystemError``. Instead every drain of :mod:`lowgrad.buffers.release` looks at the capsules not yet
 consumed: a consumed one (renamed ``used_...`` by the consumer) is forgotten, one that nobody but
 lowgrad refers to any more was dropped unconsumed and its export is released. CPython only (the
 check reads reference counts).
@@ -21,7 +21,7 @@ import itertools
 import sys
 from typing import Any
 
-from lowgrad.core import release
+from lowgrad.buffers import release
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
 VERSION = (1, 1)  # the newest DLPack this module writes (1.1 adds the fp8 type codes)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lowgrad.core.dtypes import as_dtype
+from lowgrad.base.dtypes import as_dtype
 
 #: C scalar types of kernel parameters -> ctypes (every pointer is a c_uint64 device address)
 SCALARS: dict[str, Any] = {"float": ctypes.c_float, "double": ctypes.c_double, "int": ctypes.c_int32,

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from lowgrad.core.errors import ClosedError, CommAbortedError
-from lowgrad.core.integers import integer
-from lowgrad.core.streams import StreamLike
-from lowgrad.core.tensor import Tensor
-from lowgrad.core.timeouts import check_timeout
+from lowgrad.base.errors import ClosedError, CommAbortedError
+from lowgrad.base.integers import integer
+from lowgrad.base.timeouts import check_timeout
+from lowgrad.buffers.streams import StreamLike
+from lowgrad.buffers.tensor import Tensor
 
 # reduction op name -> ncclRedOp_t (the host backend uses the same names)
 OPS = {"sum": 0, "max": 2, "avg": 4}
@@ -115,8 +115,8 @@ class CommBase(ABC):
     (``None``: the device's default stream; inside :meth:`group`, the group's stream) and
     return; the host backend completes them before returning. Every argument is checked before
     anything is queued (ValueError/TypeError; the communicator stays usable); after
-    :meth:`abort` every call raises :class:`~lowgrad.core.errors.CommAbortedError`, after
-    :meth:`close` :class:`~lowgrad.core.errors.ClosedError`.
+    :meth:`abort` every call raises :class:`~lowgrad.base.errors.CommAbortedError`, after
+    :meth:`close` :class:`~lowgrad.base.errors.ClosedError`.
     """
 
     rank: int

@@ -1,4 +1,4 @@
-"""Tensors: typed, shaped, contiguous views of an :class:`~lowgrad.core.memory.Allocation`, and
+"""Tensors: typed, shaped, contiguous views of an :class:`~lowgrad.buffers.memory.Allocation`, and
 named containers of them.
 
 What a tensor exports follows who can address its memory, as the backend reported it
@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from lowgrad.core import dlpack
-from lowgrad.core.dtypes import DType, as_dtype
-from lowgrad.core.errors import ClosedError
-from lowgrad.core.integers import integer
-from lowgrad.core.memory import Allocation, align_up, check_kind
+from lowgrad.base.dtypes import DType, as_dtype
+from lowgrad.base.errors import ClosedError
+from lowgrad.base.integers import integer
+from lowgrad.buffers import dlpack
+from lowgrad.buffers.memory import Allocation, align_up, check_kind
 
 
 def check_shape(shape: Any) -> tuple[int, ...]:
@@ -44,7 +44,7 @@ class Tensor:
     """A contiguous, typed, shaped view: ``ptr`` (int address), ``dtype``, ``shape``, ``device``,
     ``kind`` ("device" | "pinned" | "write_combined" | "host") and ``name``.
 
-    Using a tensor whose memory was closed raises :class:`~lowgrad.core.errors.ClosedError`. Memory
+    Using a tensor whose memory was closed raises :class:`~lowgrad.base.errors.ClosedError`. Memory
     exported through DLPack, the CUDA array interface or :meth:`numpy` stays valid while the
     exported view lives (see ``docs/resources.md``).
     """

@@ -6,11 +6,11 @@ A backend supplies the abstract methods of :class:`DeviceBase` (raw allocation, 
 events, kernels, capture lookup, priorities); its streams and events satisfy :class:`Stream`
 and :class:`Event`. Managers and ops are written against these only: they never ask which
 backend they run on. Who may address an allocation (GPU, CPU) is reported per allocation by the
-backend (:class:`~lowgrad.core.memory.RawBlock`), and decides DLPack and the CUDA array
+backend (:class:`~lowgrad.buffers.memory.RawBlock`), and decides DLPack and the CUDA array
 interface.
 
 Units: sizes in bytes, shapes in elements, stream priorities as CUDA numbers (lower is more
-urgent). Every ``stream=`` argument takes what :func:`~lowgrad.core.streams.stream_handle` takes.
+urgent). Every ``stream=`` argument takes what :func:`~lowgrad.buffers.streams.stream_handle` takes.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from lowgrad.core import capture, release, trace
-from lowgrad.core.dtypes import DType, as_dtype
-from lowgrad.core.integers import integer
-from lowgrad.core.kernels import Kernels
-from lowgrad.core.memory import (
+from lowgrad.base import trace
+from lowgrad.base.dtypes import DType, as_dtype
+from lowgrad.base.integers import integer
+from lowgrad.buffers import capture, release
+from lowgrad.buffers.memory import (
     Allocation,
     MemoryReport,
     RawBlock,
@@ -32,8 +32,9 @@ from lowgrad.core.memory import (
     check_kind,
     check_nbytes,
 )
-from lowgrad.core.streams import StreamLike, stream_handle
-from lowgrad.core.tensor import LazyAllocator, Tensor, check_shape
+from lowgrad.buffers.streams import StreamLike, stream_handle
+from lowgrad.buffers.tensor import LazyAllocator, Tensor, check_shape
+from lowgrad.contracts.kernels import Kernels
 
 
 @runtime_checkable
@@ -138,13 +139,13 @@ class DeviceBase(ABC):
     @abstractmethod
     def capture_of(self, stream: StreamLike) -> Any:
         """The :class:`lowgrad.Graph` capturing ``stream`` on this thread, or None when nothing
-        captures it; :class:`~lowgrad.core.errors.CaptureError` when something a manager cannot
+        captures it; :class:`~lowgrad.base.errors.CaptureError` when something a manager cannot
         follow captures it."""
 
     @property
     @abstractmethod
     def kernels(self) -> Kernels:
-        """The backend's kernel table (:class:`~lowgrad.core.kernels.Kernels`), the
+        """The backend's kernel table (:class:`~lowgrad.contracts.kernels.Kernels`), the
         implementation behind :mod:`lowgrad.ops`; built at first use."""
 
     # ---- memory ------------------------------------------------------------------------

@@ -5,10 +5,10 @@ host backend's communicator exchanges its data through the collective; the CUDA 
 communicator uses it so that ranks on one GPU queue a collective only once every rank has called it.
 
 Failures never hang: an abort wakes every waiting rank with
-:class:`~lowgrad.core.errors.CommAbortedError`; a rank that left makes every rank that waits for
+:class:`~lowgrad.base.errors.CommAbortedError`; a rank that left makes every rank that waits for
 it, then or later, raise CommAbortedError naming it at once (what it posted before leaving is
 still delivered); a rank that does not arrive within the timeout (``inf``: no limit) gives
-:class:`~lowgrad.core.errors.CommTimeoutError` in every waiting rank.
+:class:`~lowgrad.base.errors.CommTimeoutError` in every waiting rank.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from lowgrad.core.errors import CommAbortedError, CommTimeoutError
-from lowgrad.core.integers import integer
-from lowgrad.core.timeouts import DEFAULT_TIMEOUT, check_timeout, wait_slice
+from lowgrad.base.errors import CommAbortedError, CommTimeoutError
+from lowgrad.base.integers import integer
+from lowgrad.base.timeouts import DEFAULT_TIMEOUT, check_timeout, wait_slice
 
 _MISSING = object()
 T = TypeVar("T")
