@@ -380,6 +380,17 @@ def test_an_abort_marked_in_a_group_that_exits_cleanly_raises_there(fake: FakeNc
     comm.close()
 
 
+def test_a_group_block_that_fails_after_a_marked_abort_keeps_its_exception(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    with pytest.raises(RuntimeError, match="^mine$"):
+        with comm.group():
+            comm.send(t, 1)
+            comm.abort()
+            raise RuntimeError("mine")
+    assert [c[0] for c in fake.calls[-3:]] == ["ncclSend", "ncclGroupEnd", "abort"] and comm.aborted
+    comm.close()
+
+
 def test_a_group_end_that_blocks_after_a_marked_abort_is_aborted_at_once(fake: FakeNccl) -> None:
     """The deferred abort still bounds the group's ncclGroupEnd: when it blocks the host (a
     connection to the dead peer), ncclCommAbort comes after the lock wait and ends it."""

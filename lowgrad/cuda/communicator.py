@@ -372,7 +372,9 @@ class Communicator(GpuCommBase):
         An abort that came while the group was open was only marked (:meth:`_mark_aborted`):
         the handle is aborted here, after ncclGroupEnd, and the group raises its reason. That
         ncclGroupEnd is bounded as any call: when it blocks the host for ``_LOCK_WAIT`` (a
-        connection to a dead peer) the abort comes at once from a timer thread, which ends it."""
+        connection to a dead peer) the abort comes at once from a timer thread, which ends it.
+        Until the group ends the handle is not aborted: a host sync inside the group, on work that
+        waits for a dead peer, is not ended by the watchdog."""
         timer = None
         try:
             with self._lock:
@@ -387,7 +389,8 @@ class Communicator(GpuCommBase):
                 timer.join()  # a timer's abort in progress ends before this one returns
                 self._finalizer()  # _release: ncclCommAbort (idempotent)
         if timer is not None:
-            self._check_open("group")  # the reason of the abort
+            if not failed:  # a block that failed keeps its own exception (often this reason already)
+                self._check_open("group")  # the reason of the abort
         elif not failed:
             self._settle("ncclGroupEnd", rc, self.timeout)
 
