@@ -133,7 +133,6 @@ class Communicator(GpuCommBase):
         self._fp8 = nccl.version() >= (2, 24, 0)
         self._tmp: dict[str, Tensor] = {}
         self._wd: Watchdog | None = None
-        self._watch_streams = False
         self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()  # what split made: aborted with it
         # an NCCL group of this communicator is open on the issuing thread (ncclGroupStart
         # returned, ncclGroupEnd not called yet); an abort meanwhile is only marked
@@ -153,12 +152,13 @@ class Communicator(GpuCommBase):
 
     def _start_watchdog(self) -> None:
         """The watchdog thread (blocking mode); it holds the communicator only weakly."""
-        self._watch_streams = self.world > 1  # at world 1 no peer can leave a call's work unfinished
-        markers = [self.device.event(name=f"nccl_watch{i}") for i in range(_RING if self._watch_streams else 1)]
+        streams = self.world > 1  # at world 1 no peer can leave a call's work unfinished
+        markers = [self.device.event(name=f"nccl_watch{i}") for i in range(_RING if streams else 1)]
         ref = weakref.ref(self)
         self._wd = Watchdog(f"NCCL communicator rank {self.rank} of {self.world}", self.timeout, markers,
                             partial(_health_of, ref), partial(_abort_of, ref),
                             on_start=self.device.relax_thread_capture_mode)
+        self._call.watch(self._wd, streams)
         with self._lock:
             self._finalizer.detach()
             self._finalizer = release.Finalizer(self, _release, ref, self.handle, self._wd)
@@ -254,15 +254,6 @@ class Communicator(GpuCommBase):
             return CommAbortedError(reason)
         wd = self._wd
         return None if wd is None else wd.error()
-
-    def _leave(self, stream: int | None) -> None:
-        """The call returned; its work was queued on ``stream`` (None: nothing to watch; inside a
-        group nothing is queued until the group ends; a call captured into a CUDA graph by this
-        thread runs at its replays, which the marker would not follow: :meth:`wait` bounds
-        those; another thread's capture changes nothing here)."""
-        wd = self._wd
-        if wd is not None:
-            wd.leave(stream if self._watch_streams and self._group is None and capture.current() is None else None)
 
     def _why(self, exc: NcclError) -> Exception:
         """What a failed NCCL call raises: the watchdog's reason when it aborted the call."""
@@ -529,31 +520,47 @@ def _release(ref: weakref.ref[Communicator], handle: int, wd: Watchdog | None) -
 class _HostCall:
     """``with comm._call(stream):`` around one NCCL call, under the communicator's lock (so one
     object per communicator, made once, serves every call: the hot path allocates nothing, where a
-    ``contextlib.contextmanager`` would make a generator per call). The watchdog's host bracket
-    opens before the call and closes after it however it ends, a KeyboardInterrupt right after the
-    C call returned included; the call's work is watched on ``stream`` only when it returned; an
-    NcclError becomes the watchdog's reason when it aborted the call. It holds the communicator
-    weakly: a communicator collected unclosed is released without waiting for the cycle GC."""
+    ``contextlib.contextmanager`` would make a generator per call). In blocking mode the watchdog's
+    host bracket opens before the call and closes after it however it ends, a KeyboardInterrupt
+    right after the C call returned included; an NcclError becomes the watchdog's reason when it
+    aborted the call. It holds the communicator weakly: one collected unclosed is released
+    without waiting for the cycle GC."""
 
-    __slots__ = ("_comm", "_stream")
+    __slots__ = ("_comm", "_stream", "_wd", "_streams")
 
     def __init__(self, comm: Communicator) -> None:
         self._comm = weakref.ref(comm)
         self._stream: int | None = None
+        self._wd: Watchdog | None = None  # non-blocking mode: nothing to bracket
+        self._streams = False
+
+    def watch(self, wd: Watchdog, streams: bool) -> None:
+        """Bracket the calls for ``wd``; with ``streams``, also watch the work each call queued."""
+        self._wd, self._streams = wd, streams
 
     def __call__(self, stream: int | None) -> _HostCall:
         self._stream = stream
         return self
 
     def __enter__(self) -> None:
-        wd = self._comm()._wd  # type: ignore[union-attr]  # the caller holds the communicator
+        wd = self._wd
         if wd is not None:
             wd.enter()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        comm = self._comm()
-        comm._leave(self._stream if exc_type is None else None)  # type: ignore[union-attr]  # as above
+        wd = self._wd
+        if wd is not None:
+            # the work is watched on the stream unless the call failed, at world 1, inside a group
+            # (nothing is queued before its end) or captured into a CUDA graph by this thread (its
+            # replays run later, and :meth:`Communicator.wait` bounds them); another thread's
+            # capture changes nothing here
+            if exc_type is None and self._streams and (not capture.active[0] or capture.current() is None) and \
+                    self._comm()._group is None:  # type: ignore[union-attr]  # the caller holds it
+                wd.leave(self._stream)
+            else:
+                wd.leave(None)
         if isinstance(exc, NcclError):
+            comm = self._comm()
             why = comm._why(exc)  # type: ignore[union-attr]
             if why is not exc:
                 raise why from None
