@@ -148,8 +148,6 @@ SCRIPTS = sorted(str(p.relative_to(REPO)) for folder in ("tools", "examples") fo
 def test_help(script: str, tmp_path: Path) -> None:
     """Every script of tools/ and examples/ (found by listing the folders) answers ``--help`` on
     stdout with status 0, whatever extras are installed (the help comes before any import of one)."""
-    if script == "tools/gpu_session.sh":
-        pytest.skip("tools/gpu_session.sh's --help is the GPU-session branch's change (issue 35)")
     proc = _run(script, ["--help"], tmp_path, timeout=60)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     assert "usage:" in proc.stdout or script.endswith(".sh") and "bash examples/" in proc.stdout, proc.stdout

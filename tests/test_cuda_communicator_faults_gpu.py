@@ -5,9 +5,9 @@ watchdog's thread ends with the communicator. Two GPUs (skipped with fewer): two
 launched as torchrun would (``from_env`` through ``NCCL_COMM_ID``), where rank 1 never issues its
 collective (at the first call, when NCCL's connection setup blocks rank 0 in the host, and
 later, when rank 0's work spins on the device while its host synchronizes), raises mid-step,
-or is killed with SIGKILL: rank 0 raises a lowgrad error within the timeout (and a small
-margin) and its process exits cleanly, in both modes (in the blocking mode rank 0 waits with a
-plain device synchronize, which only the watchdog can bound).
+or is killed with SIGKILL (also while rank 0 has a group open): rank 0 raises a lowgrad error
+within the timeout (and a small margin) and its process exits cleanly, in both modes (in the
+blocking mode rank 0 waits with a plain device synchronize, which only the watchdog can bound).
 """
 from __future__ import annotations
 
@@ -121,6 +121,11 @@ if rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 t0 = time.monotonic()
 try:
+    if case == "sigkill_in_group":  # the peer dies while this rank's group is open: the abort waits for its end
+        with comm.group():
+            comm.send(t, 1)
+            time.sleep(2.0)
+            comm.recv(t, 1)
     for _ in range(3):
         comm.all_reduce(t)
     if comm.blocking:
@@ -146,7 +151,7 @@ def free_port() -> int:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("blocking", ["1", "0"], ids=["blocking", "nonblocking"])
-@pytest.mark.parametrize("case", ["never_first", "never_later", "raise", "sigkill"])
+@pytest.mark.parametrize("case", ["never_first", "never_later", "raise", "sigkill", "sigkill_in_group"])
 def test_a_failing_peer_makes_the_other_rank_raise_within_the_timeout(case: str, blocking: str) -> None:
     if lg.device_count() < 2:
         pytest.skip("needs two GPUs")

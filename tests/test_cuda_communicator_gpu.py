@@ -189,3 +189,37 @@ def test_run_threads_cuda_rank_failure_aborts_others():
     # the peers hear which rank failed and why, as on the host backend and the loopback
     assert seen == {r: f"rank {world - 1} failed: RuntimeError: rank failure; the communicator was aborted"
                     for r in range(world - 1)}
+
+
+def _exchange_capture_mode(mode):
+    """cuThreadExchangeStreamCaptureMode: set ``mode`` on this thread, return the one it had."""
+    drv = _cuda.driver()
+    return _cuda.check("cuThreadExchangeStreamCaptureMode", drv.cuThreadExchangeStreamCaptureMode(mode))
+
+
+def test_the_watchdog_thread_runs_in_relaxed_capture_mode(monkeypatch):
+    """A global-mode capture on another thread (torch.cuda.graph's default) is invalidated by a
+    cuEventQuery from a thread in the global mode: the watchdog's thread puts itself in the
+    relaxed mode first, and this thread's mode is left alone."""
+    drv = _cuda.driver()
+    modes = drv.CUstreamCaptureMode
+    dev = lg.Device(0)
+    seen = []
+    real = dev.relax_thread_capture_mode
+
+    def spy():
+        real()
+        mode = _exchange_capture_mode(modes.CU_STREAM_CAPTURE_MODE_RELAXED)  # read it back (and keep it)
+        seen.append((threading.current_thread(), mode))
+    monkeypatch.setattr(dev, "relax_thread_capture_mode", spy)
+    from lowgrad.cuda import nccl
+    c = lg.Communicator(0, 1, nccl.unique_id(), dev, timeout=60, blocking=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and seen[0][0] is c._wd._thread and seen[0][1] == modes.CU_STREAM_CAPTURE_MODE_RELAXED
+        mine = _exchange_capture_mode(modes.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        assert mine == modes.CU_STREAM_CAPTURE_MODE_GLOBAL  # this thread's mode is its own
+    finally:
+        c.close()

@@ -19,7 +19,7 @@ from helpers import watchdog_threads
 
 import lowgrad as lg
 from lowgrad.base.errors import NcclError
-from lowgrad.buffers import release
+from lowgrad.buffers import capture, release
 from lowgrad.cuda import communicator as cuda_comm
 from lowgrad.host.device import HostDevice
 from lowgrad.runtime.threads import AbortEvent
@@ -56,6 +56,10 @@ class Device(HostDevice):
     def event(self, timing: bool = False, name: str = "") -> Any:
         return Event(self.nccl)
 
+    def relax_thread_capture_mode(self) -> None:
+        """The CUDA device's hook, which the watchdog's thread runs first: noted per thread."""
+        self.nccl.relaxed_threads.append(threading.current_thread())
+
 
 class FakeNccl:
     """What lowgrad.cuda.communicator calls of lowgrad.cuda.nccl, with knobs."""
@@ -70,6 +74,9 @@ class FakeNccl:
         self.events: list[Event] = []
         self.records = 0
         self.calls: list[tuple[str, Any]] = []
+        self.relaxed_threads: list[threading.Thread] = []
+        self.freed_queries = 0
+        self.watchdogs_at_abort: list[int] = []  # watchdog threads alive at each ncclCommAbort
         self.aborted: set[int] = set()
         self.abort_flag = threading.Event()
         self._next = 100
@@ -103,6 +110,8 @@ class FakeNccl:
         return self.rank, self.world
 
     def comm_get_async_error(self, comm: int) -> int:
+        if comm in self.aborted:
+            self.freed_queries += 1  # a use after free on a real NCCL
         return self.async_error
 
     def comm_finalize(self, comm: int) -> int:
@@ -114,16 +123,17 @@ class FakeNccl:
 
     def comm_abort(self, comm: int) -> None:
         self.calls.append(("abort", comm))
+        self.watchdogs_at_abort.append(len([t for t in watchdog_threads() if t is not threading.current_thread()]))
         self.aborted.add(comm)
         self.abort_flag.set()
         for e in self.events:  # NCCL's kernels exit
             e.done = True
 
     def group_start(self) -> None:
-        pass
+        self.calls.append(("ncclGroupStart", None))
 
     def group_end(self) -> int:
-        return 0
+        return self._collective("ncclGroupEnd", None)
 
     def _collective(self, name: str, comm: int) -> int:
         self.calls.append((name, comm))
@@ -320,3 +330,155 @@ def test_a_communicator_collected_unclosed_ends_its_watchdog(fake: FakeNccl) -> 
     release.drain()  # the queued release: the watchdog is told to end, the handle aborted
     assert handle in fake.aborted
     wait_until(lambda: not watchdog_threads())
+
+
+def test_an_exception_right_after_the_c_call_closes_the_host_bracket(fake: FakeNccl) -> None:
+    """A KeyboardInterrupt landing right after NCCL returned must not leave the call 'blocked in
+    the host' for the watchdog (which would abort a healthy communicator later)."""
+    comm, _, t = make(fake)
+    real = fake.all_reduce
+
+    def interrupted(*a: Any) -> int:
+        real(*a)
+        raise KeyboardInterrupt
+    fake.all_reduce = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        comm.all_reduce(t)
+    fake.all_reduce = real  # type: ignore[method-assign]
+    time.sleep(TIMEOUT + MARGIN)
+    assert not comm.aborted and not fake.aborted
+    comm.all_reduce(t)
+    comm.close()
+
+
+def test_an_abort_while_a_group_is_open_waits_for_its_group_end(fake: FakeNccl) -> None:
+    """ncclGroupEnd of a group that holds calls of a freed communicator is a use after free: the
+    watchdog only marks the communicator, the group's end runs ncclGroupEnd, then ncclCommAbort,
+    and raises the reason."""
+    comm, _, t = make(fake)
+    with pytest.raises(NcclError, match="ncclCommGetAsyncError"):
+        with comm.group():
+            comm.send(t, 1)
+            fake.async_error = 6  # a peer dies while this thread's group is open
+            wait_until(lambda: comm.aborted, TIMEOUT + MARGIN)
+            assert not fake.aborted  # marked only
+            comm.recv(t, 1)  # raises the reason
+    assert [c[0] for c in fake.calls[-4:]] == ["ncclGroupStart", "ncclSend", "ncclGroupEnd", "abort"]
+    assert fake.aborted == {comm.handle}
+    comm.close()
+    assert not watchdog_threads()
+
+
+def test_an_abort_marked_in_a_group_that_exits_cleanly_raises_there(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    with pytest.raises(lg.CommAbortedError):
+        with comm.group():
+            comm.send(t, 1)
+            comm.abort()  # the issuing thread's own abort: the same deferral
+            assert not fake.aborted
+    assert [c[0] for c in fake.calls[-3:]] == ["ncclSend", "ncclGroupEnd", "abort"]
+    comm.close()
+
+
+def test_a_group_block_that_fails_after_a_marked_abort_keeps_its_exception(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    with pytest.raises(RuntimeError, match="^mine$"):
+        with comm.group():
+            comm.send(t, 1)
+            comm.abort()
+            raise RuntimeError("mine")
+    assert [c[0] for c in fake.calls[-3:]] == ["ncclSend", "ncclGroupEnd", "abort"] and comm.aborted
+    comm.close()
+
+
+def test_a_group_end_that_blocks_after_a_marked_abort_is_aborted_at_once(fake: FakeNccl) -> None:
+    """The deferred abort still bounds the group's ncclGroupEnd: when it blocks the host (a
+    connection to the dead peer), ncclCommAbort comes after the lock wait and ends it."""
+    comm, _, t = make(fake)
+    t0 = time.monotonic()
+    with pytest.raises(NcclError):
+        with comm.group():
+            comm.send(t, 1)
+            fake.async_error = 6
+            wait_until(lambda: comm.aborted, TIMEOUT + MARGIN)
+            fake.block_host = True  # the group's end waits for the peer until an abort
+    assert time.monotonic() - t0 < TIMEOUT + MARGIN + 2 * cuda_comm._LOCK_WAIT + 1
+    assert fake.aborted == {comm.handle} and fake.calls[-1][0] == "abort"
+    comm.close()
+    assert not watchdog_threads()
+
+
+def test_the_release_at_exit_stops_the_watchdog_before_the_abort(fake: FakeNccl) -> None:
+    """At exit (release._at_exit) the queued release of a communicator still alive marks it
+    aborted and joins its watchdog before ncclCommAbort: no query of the freed handle after."""
+    comm, _, t = make(fake)
+    f = comm._finalizer
+    assert release._live.pop(f, False) is None  # what _at_exit does for what is still alive
+    release._queue.put(f)
+    release.drain()
+    assert fake.aborted == {comm.handle} and fake.watchdogs_at_abort == [0]
+    assert comm.aborted and not watchdog_threads()
+    with pytest.raises(lg.CommAbortedError):
+        comm.all_reduce(t)
+    time.sleep(0.1)
+    assert fake.freed_queries == 0
+    comm.close()
+
+
+def test_what_was_split_is_aborted_before_the_parent(fake: FakeNccl) -> None:
+    """ncclCommAbort waits for work on the device's other streams: a child's kernel spinning on a
+    dead peer would hold the parent's abort, so the children's handles go first."""
+    comm, _, _ = make(fake)
+    fake.rank, fake.world = 0, 1
+    child = comm.split(1)
+    comm.abort()
+    assert [c[1] for c in fake.calls if c[0] == "abort"] == [child.handle, comm.handle]
+    wait_until(lambda: not watchdog_threads())
+
+
+def test_the_watchdog_thread_runs_the_devices_capture_mode_hook(fake: FakeNccl) -> None:
+    comm, _, _ = make(fake)
+    wait_until(lambda: fake.relaxed_threads)
+    assert fake.relaxed_threads == [comm._wd._thread]
+    comm.close()
+
+
+class _Graph:
+    """A lowgrad.Graph's stand-in for capture.begin: what a capture asks of it."""
+
+    stream_handle = 0
+
+    def keep(self, allocations: Any) -> None:
+        pass
+
+
+def test_another_threads_capture_does_not_stop_the_markers(fake: FakeNccl) -> None:
+    """Ranks as threads of one process: rank 0's CUDA-graph capture must not stop the watchdog
+    following rank 1's eager calls; this thread's own capture does (the replays run later)."""
+    comm, _, t = make(fake)
+    started, done = threading.Event(), threading.Event()
+
+    def other_rank() -> None:
+        g = _Graph()
+        capture.begin(g)
+        started.set()
+        done.wait(10)
+        capture.end(g)
+    th = threading.Thread(target=other_rank)
+    th.start()
+    try:
+        assert started.wait(10)
+        before = fake.records
+        comm.all_reduce(t)
+        assert fake.records == before + 1
+        g = _Graph()
+        capture.begin(g)
+        try:
+            comm.all_reduce(t)
+        finally:
+            capture.end(g)
+        assert fake.records == before + 1
+    finally:
+        done.set()
+        th.join()
+    comm.close()

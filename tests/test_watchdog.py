@@ -53,6 +53,13 @@ class Target:
         self.aborted.set()
 
 
+def raise_failure(wd: Watchdog) -> None:
+    """What a waiter does with the watchdog (the communicator's ``_failure``): raise its error."""
+    exc = wd.error()
+    if exc is not None:
+        raise exc
+
+
 def make(n: int = 4, timeout: float = 10.0, start: bool = False, **kw: Any) -> tuple[Watchdog, list[Marker], Target,
                                                                                      Clock]:
     markers, target, clock = [Marker() for _ in range(n)], Target(), Clock()
@@ -68,17 +75,17 @@ def test_a_collective_that_never_completes_is_aborted_after_the_timeout_not_befo
     wd, markers, target, clock = make(timeout=10.0)
     wd.enter()
     wd.leave(stream=7)
-    assert markers[0].stream == 7 and wd.outstanding == 1
+    assert markers[0].stream == 7 and markers[0].records == 1
     clock.now += 9.9
     wd.tick()
-    assert not target.aborts and not wd.failed
+    assert not target.aborts and wd.error() is None
     clock.now += 0.2
     wd.tick()
     wd.tick()
     assert len(target.aborts) == 1 and isinstance(target.aborts[0], CommTimeoutError)
     assert "rank 0 of 2" in str(target.aborts[0]) and "10 s" in str(target.aborts[0])
     with pytest.raises(CommTimeoutError, match="has not completed within 10 s"):
-        wd.check()
+        raise_failure(wd)
 
 
 def test_a_completed_collective_is_never_aborted() -> None:
@@ -89,8 +96,8 @@ def test_a_completed_collective_is_never_aborted() -> None:
         next(m for m in markers if not m.done).done = True
         clock.now += 5.0
         wd.tick()
-    assert not target.aborts and wd.outstanding == 0
-    wd.check()
+    assert not target.aborts
+    raise_failure(wd)
 
 
 def test_only_the_oldest_outstanding_call_counts() -> None:
@@ -101,7 +108,7 @@ def test_only_the_oldest_outstanding_call_counts() -> None:
     markers[0].done = True
     clock.now += 6  # the first would be late, but it completed; the second is 6 s old
     wd.tick()
-    assert not target.aborts and wd.outstanding == 1
+    assert not target.aborts
     clock.now += 5
     wd.tick()
     assert len(target.aborts) == 1
@@ -113,24 +120,45 @@ def test_a_call_without_a_stream_records_nothing() -> None:
     wd.leave()
     clock.now += 1e6
     wd.tick()
-    assert wd.outstanding == 0 and not target.aborts and all(m.records == 0 for m in markers)
+    assert not target.aborts and all(m.records == 0 for m in markers)
 
 
-def test_a_full_ring_folds_into_the_newest_marker_and_keeps_its_time() -> None:
+def test_a_full_ring_folds_into_the_newest_marker_and_refreshes_its_time() -> None:
+    """A call folded into the newest marker is never aborted before its own timeout: the marker
+    takes the folded call's time (it completes only after that call's work)."""
     wd, markers, target, clock = make(n=2, timeout=10.0)
     wd.leave(stream=1)
     clock.now += 1
     wd.leave(stream=1)
     clock.now += 8
-    wd.leave(stream=2)  # full: the second marker is recorded again, its time (t=101) kept
-    assert wd.outstanding == 2 and markers[1].records == 2 and markers[1].stream == 2
+    wd.leave(stream=2)  # full: the second marker is recorded again, its time now t=109
+    assert markers[1].records == 2 and markers[1].stream == 2 and markers[0].records == 1
     markers[0].done = True
-    clock.now += 1.5  # 10.5 s after the first call (completed), 9.5 after the second's time
+    clock.now += 2.5  # 11.5 s after the second call, 2.5 s after the folded one: within its time
     wd.tick()
     assert not target.aborts
-    clock.now += 1
+    clock.now += 7.6  # 10.1 s after the folded call
     wd.tick()
     assert len(target.aborts) == 1
+
+
+def test_on_start_runs_first_on_the_watchdogs_thread_and_its_failure_is_the_reason() -> None:
+    ran: list[threading.Thread] = []
+    wd, _, target, _ = make(timeout=float("inf"), start=True, on_start=lambda: ran.append(threading.current_thread()))
+    deadline = time.monotonic() + 10
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert ran == [wd._thread] and ran[0] is not threading.current_thread()
+    wd.close()
+
+    def refuse() -> None:
+        raise RuntimeError("cuThreadExchangeStreamCaptureMode failed")
+    wd, _, target, _ = make(timeout=float("inf"), start=True, on_start=refuse)
+    assert target.aborted.wait(10)
+    with pytest.raises(RuntimeError, match="cuThreadExchangeStreamCaptureMode"):
+        raise_failure(wd)
+    wd.close()
+    assert not watchdog_threads()
 
 
 def test_a_call_blocked_in_the_host_is_aborted_and_abort_unblocks_it() -> None:
@@ -164,7 +192,7 @@ def test_the_thread_aborts_within_timeout_and_margin_and_every_waiter_hears_the_
     def waiter(i: int) -> None:
         while True:
             try:
-                wd.check()
+                raise_failure(wd)
             except Exception as exc:  # noqa: BLE001 - what the waiter heard
                 heard[i] = (type(exc), str(exc), time.monotonic())
                 return
@@ -196,7 +224,7 @@ def test_poll_failure_is_the_reason_and_abort_runs_once() -> None:
     assert len(target.aborts) == 1
     for _ in range(2):
         with pytest.raises(CommAbortedError, match="^rank 1 failed: RuntimeError: boom"):
-            wd.check()
+            raise_failure(wd)
 
 
 def test_an_error_with_its_own_constructor_reaches_each_waiter_as_its_own_instance() -> None:
@@ -220,7 +248,7 @@ def test_a_raising_poll_is_a_failure() -> None:
     wd._poll = bad_poll  # type: ignore[method-assign]
     wd.tick()
     with pytest.raises(RuntimeError, match="remote error"):
-        wd.check()
+        raise_failure(wd)
     assert len(target.aborts) == 1
 
 
@@ -229,7 +257,7 @@ def test_the_first_failure_wins() -> None:
     assert wd.fail(CommAbortedError("first"))
     assert not wd.fail(CommTimeoutError("second"))
     with pytest.raises(CommAbortedError, match="^first$"):
-        wd.check()
+        raise_failure(wd)
     assert [str(e) for e in target.aborts] == ["first"]
 
 
@@ -243,10 +271,10 @@ def test_an_exception_in_abort_is_noted_and_the_failure_still_reaches_waiters() 
     wd, _, _, _ = make(timeout=0.2, start=True, abort=bad_abort)
     wd.leave(stream=1)
     deadline = time.monotonic() + 10
-    while not wd.failed and time.monotonic() < deadline:
+    while wd.error() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(CommTimeoutError, match=r"aborting raised OSError: ncclCommAbort failed"):
-        wd.check()
+        raise_failure(wd)
     assert len(calls) == 1
     wd._thread.join(5)  # type: ignore[union-attr]
     assert not wd._thread.is_alive()  # type: ignore[union-attr]  # aborted: the thread ended itself
@@ -259,9 +287,9 @@ def test_close_twice_and_from_the_abort_callback_leaves_no_thread() -> None:
     holder.append(wd)
     wd.leave(stream=1)
     deadline = time.monotonic() + 10
-    while not wd.failed and time.monotonic() < deadline:
+    while wd.error() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert wd.failed
+    assert wd.error() is not None
     wd.close()
     wd.close()
     assert not watchdog_threads()

@@ -64,6 +64,20 @@ def test_the_world2_dry_run_runs_every_piece(tmp_path: Path) -> None:
     assert set(report["steps"]) == set(RUNS) and all(set(v) == {"w1", "w2"} for v in report["steps"].values())
     assert "host_ms" in report["timeline"]["ddp"] and "host_ms" in report["timeline"]["lowgrad_scatter_reduce"]
     assert (out / "results.tar").is_file()
+    # the world-1 baselines (the 1.05x criterion's) run first, one at a time, before any world-2 step
+    ran = [line.split(":")[0][3:] for line in proc.stdout.splitlines() if line.startswith("== step_")]
+    assert ran == [f"step_{n}_w{w}" for w in (1, 2) for n in RUNS], ran
+
+
+def test_the_pieces_limits_fit_the_device_calls_budget() -> None:
+    """Each piece's limit is its worst case: together they fit GPU_SESSION_BUDGET (570 s) less the
+    checks and the report (15 s), so no piece is skipped for time on the GPU."""
+    text = (REPO / "tools" / "gpu_session_world2.sh").read_text()
+    gpu = next(line for line in text.splitlines() if line.strip().startswith("L_W1="))  # the GPU branch's, first
+    lim = {k: int(v) for k, v in (kv.split("=") for kv in gpu.split())}
+    total = 5 * lim["L_W1"] + 5 * lim["L_W2"] + lim["L_NB2"] + lim["L_NNB2"] + 2 * lim["L_NB1"] + lim["L_TEST"]
+    assert total <= 570 - 15, total
+    assert "BUDGET=${GPU_SESSION_BUDGET:-570}" in text
 
 
 def _bench_json(path: Path, mode: str, world: int, ms: float, host_us: float, torch_ms: float | None) -> None:

@@ -3,23 +3,25 @@
 # per-layer, CUDA-graph, manager and NCCL benchmarks, the demo, and the example LM trained through
 # lowgrad's CUDA backend (SR bf16 vs fp32 vs round-to-nearest bf16 accumulation) with its loss plot.
 # Outputs go to DIR/run/ and are packed into DIR/results.tar (the plot also as DIR/losses.png).
-#   bash tools/gpu_session.sh [DIR]   (PYTHONPATH=. is set here; DIR by default $OUT/gpu_session, else
+# usage: bash tools/gpu_session.sh [--world 2 [--dry-run]] [DIR]   (PYTHONPATH=. is set here; DIR by default $OUT/gpu_session, else
 #   ./gpu_session; from the repository's root, a temporary folder: tools/_cli.py output-path)
 #
 # --world 2: the two-GPU evidence of issue 33 instead (one call of at most 10 minutes on 2 x H200), into
 # DIR (default $OUT/gpu_session_world2), each piece's log and JSON under DIR/run/:
-#   1. nccl_bench --world 2, 1 MB .. 1 GB bf16, lowgrad blocking beside torch.distributed, then
+#   1. the 0.5B step under torchrun at 1 process, one at a time on GPU 0: lowgrad scatter_reduce,
+#      all_to_all and unsharded, DDP and FSDP2 (examples/train_transformer.py: 4 micro-batches of
+#      4 x 1024 tokens, AdamW; 5 steps, the median of the last 3; peaks, losses and per-phase times
+#      in the JSON): the baselines of the "world-2 step <= 1.05 x world-1" criterion, first;
+#   2. the same five steps at 2 processes;
+#   3. nccl_bench --world 2, 1 MB .. 256 MB bf16, lowgrad blocking beside torch.distributed, then
 #      lowgrad non-blocking (the A/B of LOWGRAD_NCCL_BLOCKING); and at world 1 (GPU 0, 1-16 MB) both
 #      modes' host us per call (issue 33's bound: blocking within 10% of non-blocking);
-#   2. the 0.5B step under torchrun at 2 processes: lowgrad scatter_reduce, all_to_all and
-#      unsharded, DDP and FSDP2 (examples/train_transformer.py: 4 micro-batches of 4 x 1024 tokens,
-#      AdamW; 6 steps, the median of the last 4; peaks, losses and per-phase times in the JSON);
-#   3. the two-GPU tests (failing peers, from_env, run_threads at world 2) and the communicator's;
-#   4. the same five steps at 1 process, two at a time (one per GPU);
+#   4. the two-GPU tests (failing peers, from_env, run_threads at world 2) and the communicator's;
 #   5. tools/world2_report.py: the tables, and one world-2 step per phase, lowgrad beside DDP.
-#   Budget (GPU_SESSION_BUDGET, 570 s): expected about 40 + 25 + 2 x 10 s for 1, 5 x 35 s for 2, 140 s for
-#   3, 3 x 35 s for 4 (about 510 s); each piece has a limit, cut to what is left, and one with
-#   under 20 s left is skipped and named (the report marks what is missing).
+#   Budget (GPU_SESSION_BUDGET, 570 s): the limits are 5 x 35 s for 1, 5 x 40 s for 2, 90 s for 3,
+#   90 s for 4 (555 s with ~15 s for the checks and 5); tools/gpu_session_world2.sh's header has the
+#   table. Each limit is cut to what is left, and a piece with under 20 s left is skipped and named
+#   (the report marks what is missing).
 #   bash tools/gpu_session.sh --world 2 [--dry-run] [DIR]
 # --dry-run (with --world 2, no GPU needed): every piece at a tiny size on the CPU: the same scripts
 # and arguments, with the tiny model, torchrun's gloo for DDP and FSDP2, lowgrad's ranks as threads

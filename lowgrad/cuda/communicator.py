@@ -133,28 +133,35 @@ class Communicator(GpuCommBase):
         self._fp8 = nccl.version() >= (2, 24, 0)
         self._tmp: dict[str, Tensor] = {}
         self._wd: Watchdog | None = None
-        self._watch_streams = False
         self._children: weakref.WeakSet[Communicator] = weakref.WeakSet()  # what split made: aborted with it
+        # an NCCL group of this communicator is open on the issuing thread (ncclGroupStart
+        # returned, ncclGroupEnd not called yet); an abort meanwhile is only marked
+        # (``_abort_deferred``) and the group's end aborts the handle after ncclGroupEnd
+        self._grouped = False
+        self._abort_deferred = False
+        self._call = _HostCall(self)
 
     def _adopt(self, handle: int) -> None:
         """Own ``handle`` (its release is queued when the communicator is collected unclosed)."""
         with self._lock:
             old = getattr(self, "_finalizer", None)
             self.handle = handle
-            self._finalizer = release.Finalizer(self, _release, handle, self._wd)
+            self._finalizer = release.Finalizer(self, _release, weakref.ref(self), handle, self._wd)
         if old is not None:
             old.detach()
 
     def _start_watchdog(self) -> None:
         """The watchdog thread (blocking mode); it holds the communicator only weakly."""
-        self._watch_streams = self.world > 1  # at world 1 no peer can leave a call's work unfinished
-        markers = [self.device.event(name=f"nccl_watch{i}") for i in range(_RING if self._watch_streams else 1)]
+        streams = self.world > 1  # at world 1 no peer can leave a call's work unfinished
+        markers = [self.device.event(name=f"nccl_watch{i}") for i in range(_RING if streams else 1)]
         ref = weakref.ref(self)
         self._wd = Watchdog(f"NCCL communicator rank {self.rank} of {self.world}", self.timeout, markers,
-                            partial(_health_of, ref), partial(_abort_of, ref))
+                            partial(_health_of, ref), partial(_abort_of, ref),
+                            on_start=self.device.relax_thread_capture_mode)
+        self._call.watch(self._wd, streams)
         with self._lock:
             self._finalizer.detach()
-            self._finalizer = release.Finalizer(self, _release, self.handle, self._wd)
+            self._finalizer = release.Finalizer(self, _release, ref, self.handle, self._wd)
 
     def _become_blocking(self) -> None:
         """Replace the non-blocking handle by a blocking split of it (every rank, same color);
@@ -170,13 +177,8 @@ class Communicator(GpuCommBase):
         non-blocking child is polled; a blocking split is bounded by the watchdog)."""
         with self._lock:
             self._live("split")
-            self._enter()
-            try:
+            with self._call(None):
                 handle, rc = nccl.comm_split(self.handle, color, key, self.blocking)
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(None)
         if rc == nccl.IN_PROGRESS:
             try:
                 self._poll("ncclCommSplit", self.timeout, partial(_settled, "ncclCommSplit", handle))
@@ -253,20 +255,6 @@ class Communicator(GpuCommBase):
         wd = self._wd
         return None if wd is None else wd.error()
 
-    def _enter(self) -> None:
-        """A call that may block the host begins (blocking mode: the watchdog bounds it)."""
-        wd = self._wd
-        if wd is not None:
-            wd.enter()
-
-    def _leave(self, stream: int | None) -> None:
-        """The call returned; its work was queued on ``stream`` (None: nothing to watch; inside a
-        group nothing is queued until the group ends; a call captured into a CUDA graph runs at
-        its replays, which the marker would not follow: :meth:`wait` bounds those)."""
-        wd = self._wd
-        if wd is not None:
-            wd.leave(stream if self._watch_streams and self._group is None and not capture.active[0] else None)
-
     def _why(self, exc: NcclError) -> Exception:
         """What a failed NCCL call raises: the watchdog's reason when it aborted the call."""
         return self._failure() or exc if self._state == "aborted" else exc
@@ -292,14 +280,9 @@ class Communicator(GpuCommBase):
         p = t.ptr
         with self._lock:
             self._live("reduce_scatter")
-            self._enter()
-            try:
+            with self._call(h):
                 rc = nccl.reduce_scatter(p, p + self.rank * count * t.dtype.itemsize, count, t.dtype.nccl, code,
                                          self.handle, h)
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(h)
         self._issue("ncclReduceScatter", rc)
 
     def all_gather(self, t: Tensor, out: Tensor | None = None, stream: StreamLike = None) -> None:
@@ -309,13 +292,8 @@ class Communicator(GpuCommBase):
         h = self._stream(stream)
         with self._lock:
             self._live("all_gather")
-            self._enter()
-            try:
+            with self._call(h):
                 rc = nccl.all_gather(shard.ptr, full.ptr, shard.numel, t.dtype.nccl, self.handle, h)
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(h)
         self._issue("ncclAllGather", rc)
 
     def all_reduce(self, t: Tensor, op: str = "sum", stream: StreamLike = None) -> None:
@@ -325,13 +303,8 @@ class Communicator(GpuCommBase):
         p = t.ptr
         with self._lock:
             self._live("all_reduce")
-            self._enter()
-            try:
+            with self._call(h):
                 rc = nccl.all_reduce(p, p, t.numel, t.dtype.nccl, code, self.handle, h)
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(h)
         self._issue("ncclAllReduce", rc)
 
     def send(self, t: Tensor, peer: int, stream: StreamLike = None) -> None:
@@ -350,13 +323,8 @@ class Communicator(GpuCommBase):
         h = self._stream(stream)
         with self._lock:
             self._live(call)
-            self._enter()
-            try:
+            with self._call(h):
                 rc = fn(t.ptr, t.numel, t.dtype.nccl, peer, self.handle, h)
-            except NcclError as exc:
-                self._leave(None)
-                raise self._why(exc) from None
-            self._leave(h)
         self._issue(nccl_call, rc)
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:
@@ -368,6 +336,7 @@ class Communicator(GpuCommBase):
             with self._lock:
                 self._live("all_to_all")
                 nccl.group_start()
+                self._grouped = True  # an abort meanwhile waits for the lock: these calls only queue
                 try:
                     for base, n, nbytes, dt in bufs:
                         nccl.send(base + send_slot * nbytes, n, dt, send_peer, self.handle, h)
@@ -381,26 +350,47 @@ class Communicator(GpuCommBase):
     def _group_begin(self, g: Group) -> None:
         self._group_open(g)
         try:
-            nccl.group_start()
-        except NcclError:
+            with self._lock:
+                self._live("group")
+                nccl.group_start()
+                self._grouped = True
+        except BaseException:
             self._group, self._group_depth = None, 0
             raise
 
     def _group_close(self, g: Group, failed: bool) -> None:
-        with self._lock:
-            rc = self._launch_group(None if failed else stream_handle(g.stream))
-        if not failed:
+        """``ncclGroupEnd`` (every ncclGroupStart is matched, also after a failure or an abort).
+        An abort that came while the group was open was only marked (:meth:`_mark_aborted`):
+        the handle is aborted here, after ncclGroupEnd, and the group raises its reason. That
+        ncclGroupEnd is bounded as any call: when it blocks the host for ``_LOCK_WAIT`` (a
+        connection to a dead peer) the abort comes at once from a timer thread, which ends it.
+        Until the group ends the handle is not aborted: a host sync inside the group, on work that
+        waits for a dead peer, is not ended by the watchdog."""
+        timer = None
+        try:
+            with self._lock:
+                if self._abort_deferred:
+                    self._abort_deferred = False
+                    timer = threading.Timer(_LOCK_WAIT, self._finalizer)
+                    timer.start()
+                rc = self._launch_group(None if failed or timer is not None else stream_handle(g.stream))
+        finally:
+            if timer is not None:
+                timer.cancel()
+                timer.join()  # a timer's abort in progress ends before this one returns
+                self._finalizer()  # _release: ncclCommAbort (idempotent)
+        if timer is not None:
+            if not failed:  # a block that failed keeps its own exception (often this reason already)
+                self._check_open("group")  # the reason of the abort
+        elif not failed:
             self._settle("ncclGroupEnd", rc, self.timeout)
 
     def _launch_group(self, stream: int | None) -> int:
-        """``ncclGroupEnd`` under the lock, watched (its work queued on ``stream``; None: none)."""
-        self._enter()
-        try:
+        """``ncclGroupEnd`` under the lock, watched (its work queued on ``stream``; None: none).
+        From here an abort no longer waits for the group: this call may block the host."""
+        self._grouped = False
+        with self._call(stream):
             rc = nccl.group_end()
-        except NcclError as exc:
-            self._leave(None)
-            raise self._why(exc) from None
-        self._leave(stream)
         return rc
 
     # ---- host-side helpers (blocking) --------------------------------------------------
@@ -438,25 +428,42 @@ class Communicator(GpuCommBase):
         """``ncclCommAbort`` (safe from any thread; idempotent): outstanding NCCL work stops,
         later calls and pending waits raise CommAbortedError (the watchdog's reason when it was
         the watchdog). A call blocked in the host inside NCCL returns. NCCL frees the
-        communicator's device memory, which waits for work queued on the device's other streams."""
+        communicator's device memory, which waits for work queued on the device's other streams
+        (so what was split from it is aborted first). While the issuing thread has a
+        :meth:`group` open, the handle is aborted at the group's end, after its ncclGroupEnd."""
         self._abort()
         self._free_scratch()
         self._stop_watchdog()
 
     def _abort(self) -> None:
-        """Abort the handle; the lock is waited for only briefly: a call that holds it longer is
-        blocked inside NCCL, and the abort is what ends it (NCCL's abort flag)."""
+        """Mark the communicator aborted and abort the handle (:func:`_release`), or with a
+        group open leave the handle to the group's end; what was split from it is aborted
+        first either way (every backend aborts it with its parent)."""
+        now = self._mark_aborted()
+        if now:
+            self._finalizer()
+        elif now is not None:
+            for child in list(self._children):
+                child._abort()
+
+    def _mark_aborted(self) -> bool | None:
+        """Set the state to aborted (after this no thread starts a call on the handle): None when
+        it was not open, False when the handle's abort is left to the open group's end, True
+        when it is due now. The lock is waited for only briefly: a call that holds it longer is
+        blocked inside NCCL, and the abort is what ends it (NCCL's abort flag), except while
+        that call only queues into an open group (ncclSend/ncclRecv there never block)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT)
+        while not locked and self._grouped:
+            locked = self._lock.acquire(timeout=_LOCK_WAIT)
         try:
             if self._state != "open":
-                return
-            self._state = "aborted"  # after this no thread starts a call on the handle
+                return None
+            self._state = "aborted"
+            self._abort_deferred = locked and self._grouped  # no NCCL call in progress: the group ends it
+            return not self._abort_deferred
         finally:
             if locked:
                 self._lock.release()
-        self._finalizer()
-        for child in list(self._children):  # what was split from it: every backend aborts it too
-            child._abort()
 
     def close(self) -> None:
         """Finalize and destroy the communicator after its queued work (bounded by ``timeout``;
@@ -468,13 +475,8 @@ class Communicator(GpuCommBase):
             self._free_scratch()
             self.device.activate()
             with self._lock:
-                self._enter()
-                try:
+                with self._call(None):
                     rc = nccl.comm_finalize(self.handle)
-                except NcclError as exc:
-                    self._leave(None)
-                    raise self._why(exc) from None
-                self._leave(None)
             self._settle("ncclCommFinalize", rc, self.timeout)
             with self._lock:
                 if self._state != "open":
@@ -497,12 +499,71 @@ class Communicator(GpuCommBase):
         self._tmp.clear()
 
 
-def _release(handle: int, wd: Watchdog | None) -> None:
-    """The handle's release (explicit abort, or queued when the communicator is collected):
-    ``ncclCommAbort``; the watchdog's thread is told to end, never waited for."""
+def _release(ref: weakref.ref[Communicator], handle: int, wd: Watchdog | None) -> None:
+    """The handle's release: an abort's, queued when the communicator is collected, or at exit
+    for one still alive (normal code, never the finalizer itself). In this order: the
+    communicator, when alive, is marked aborted (no thread starts a call on the handle after
+    it) and what was split from it is aborted (``ncclCommAbort`` waits for work on the
+    device's other streams: a child's kernel spinning on a dead peer would hold it); the
+    watchdog is stopped and joined (from its own thread, in its abort, it only stops: it makes
+    no NCCL call after that); then ``ncclCommAbort``."""
+    comm = ref()
+    if comm is not None:
+        comm._mark_aborted()
+        for child in list(comm._children):
+            child._abort()
     if wd is not None:
-        wd.stop()
+        wd.close()
     nccl.comm_abort(handle)
+
+
+class _HostCall:
+    """``with comm._call(stream):`` around one NCCL call, under the communicator's lock (so one
+    object per communicator, made once, serves every call: the hot path allocates nothing, where a
+    ``contextlib.contextmanager`` would make a generator per call). In blocking mode the watchdog's
+    host bracket opens before the call and closes after it however it ends, a KeyboardInterrupt
+    right after the C call returned included; an NcclError becomes the watchdog's reason when it
+    aborted the call. It holds the communicator weakly: one collected unclosed is released
+    without waiting for the cycle GC."""
+
+    __slots__ = ("_comm", "_stream", "_wd", "_streams")
+
+    def __init__(self, comm: Communicator) -> None:
+        self._comm = weakref.ref(comm)
+        self._stream: int | None = None
+        self._wd: Watchdog | None = None  # non-blocking mode: nothing to bracket
+        self._streams = False
+
+    def watch(self, wd: Watchdog, streams: bool) -> None:
+        """Bracket the calls for ``wd``; with ``streams``, also watch the work each call queued."""
+        self._wd, self._streams = wd, streams
+
+    def __call__(self, stream: int | None) -> _HostCall:
+        self._stream = stream
+        return self
+
+    def __enter__(self) -> None:
+        wd = self._wd
+        if wd is not None:
+            wd.enter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        wd = self._wd
+        if wd is not None:
+            # the work is watched on the stream unless the call failed, at world 1, inside a group
+            # (nothing is queued before its end) or captured into a CUDA graph by this thread (its
+            # replays run later, and :meth:`Communicator.wait` bounds them); another thread's
+            # capture changes nothing here
+            if exc_type is None and self._streams and (not capture.active[0] or capture.current() is None) and \
+                    self._comm()._group is None:  # type: ignore[union-attr]  # the caller holds it
+                wd.leave(self._stream)
+            else:
+                wd.leave(None)
+        if isinstance(exc, NcclError):
+            comm = self._comm()
+            why = comm._why(exc)  # type: ignore[union-attr]
+            if why is not exc:
+                raise why from None
 
 
 def _settled(call: str, handle: int) -> bool:

@@ -72,6 +72,15 @@ class Device(DeviceBase):
             _cuda.check("cuCtxSetCurrent", _cuda.driver().cuCtxSetCurrent(self._ctx))
             _tls.ctx = self.context_handle
 
+    def relax_thread_capture_mode(self) -> None:
+        """Put the calling thread in CUDA's relaxed stream-capture mode, for a thread that only
+        watches (a communicator's watchdog): in the default (global) mode its ``cuEventQuery``
+        would invalidate a global-mode capture on another thread (``torch.cuda.graph``'s default),
+        as PyTorch's NCCL watchdog found (pytorch#104555, #105182)."""
+        drv = _cuda.driver()
+        _cuda.check("cuThreadExchangeStreamCaptureMode",
+                    drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+
     def synchronize(self) -> None:
         """Block the host until all work on this device is done."""
         capture.forbid("Device.synchronize (a host sync)")

@@ -35,6 +35,9 @@ UNIQUE_ID_BYTES = 128
 _UNDEF_INT = -2147483648  # NCCL_CONFIG_UNDEF_INT (INT_MIN)
 _API_MAGIC = 0xCAFEBEEF
 _CONFIG_VERSION = 21800  # NCCL_VERSION(2, 18, 0): the layout _Config mirrors
+# the oldest NCCL lowgrad loads: ncclCommSplit (the blocking mode's communicator, split()) and the
+# ncclConfig_t layout above are 2.18's; an older library is refused with this in the message
+MIN_VERSION = "2.18"
 
 
 class _UniqueId(ctypes.Structure):
@@ -127,7 +130,7 @@ def _open(path: str) -> ctypes.CDLL:
     missing = [name for name in _PROTOTYPES if not hasattr(lib, name)]
     if missing:
         raise NcclLibraryError(f"{path} lacks the symbol(s) {', '.join(missing)} that lowgrad calls "
-                               "(an older or partial NCCL)")
+                               f"(an older or partial NCCL: lowgrad needs NCCL {MIN_VERSION} or newer)")
     for name, args in _PROTOTYPES.items():
         fn = getattr(lib, name)
         if args is None:

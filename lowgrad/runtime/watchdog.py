@@ -17,14 +17,18 @@ things, one round (:meth:`Watchdog.tick`) every ``interval`` seconds:
   the oldest marker is ever waited for.
 
 The first failure calls ``abort(exc)`` once (``ncclCommAbort``: it unblocks a call stuck in the
-host and stops the device work) and stays: :meth:`Watchdog.check` raises it in every waiter, then
-and later. Everything it touches is injected (``clock``, ``poll``, ``abort``, the markers), so
-its logic is tested on the CPU against stand-ins (tests/test_watchdog.py).
+host and stops the device work) and stays: :meth:`Watchdog.error` gives it to every waiter, then
+and later. Everything it touches is injected (``clock``, ``poll``, ``abort``, the markers, and
+``on_start``, run first on the watchdog's thread: the CUDA backend puts that thread in CUDA's
+relaxed capture mode there, so this module stays free of CUDA), so its logic is tested on the CPU
+against stand-ins (tests/test_watchdog.py).
 
 Hot path: :meth:`enter` is one clock read; :meth:`leave` one lock and one ``marker.record``.
 Nothing is allocated per call: the ring is made once. When the ring is full (``len(markers)``
-calls outstanding), the newest marker is recorded again and keeps its time: the bound then counts
-from the oldest of the calls it covers, earlier than their own, never later.
+calls outstanding), the newest marker is recorded again and its time becomes this call's: a
+marker completes only after every call it covers, so no call is aborted before its own
+``timeout`` has passed; an earlier call it covers is bounded later than its own time, by at most
+how long the ring stayed full (the older markers it waits behind are not refreshed).
 """
 from __future__ import annotations
 
@@ -50,11 +54,13 @@ class Marker(Protocol):
 class Watchdog:
     """Watch ``name`` (``"rank 1 of 2"``) for ``timeout`` seconds (``inf``: only ``poll``);
     ``abort(exc)`` is called at most once, from the watchdog's thread (or the thread that calls
-    :meth:`fail`). ``start=False`` runs no thread: the caller drives :meth:`tick` (tests)."""
+    :meth:`fail`). ``on_start()`` runs first on the watchdog's thread (an exception it raises is
+    the failure). ``start=False`` runs no thread: the caller drives :meth:`tick` (tests)."""
 
     def __init__(self, name: str, timeout: float, markers: Sequence[Marker], poll: Callable[[], Exception | None],
                  abort: Callable[[Exception], None], clock: Callable[[], float] = time.monotonic,
-                 interval: float | None = None, start: bool = True) -> None:
+                 interval: float | None = None, start: bool = True,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.timeout = check_timeout(timeout)
         if not markers:
             raise ValueError("Watchdog needs at least one marker")
@@ -65,7 +71,7 @@ class Watchdog:
         self._times = [0.0] * self._size
         self._head = self._tail = 0  # calls recorded / retired (slot = count % size)
         self._ring = threading.Lock()
-        self._poll, self._abort, self._clock = poll, abort, clock
+        self._poll, self._abort, self._clock, self._on_start = poll, abort, clock, on_start
         self._host_since: float | None = None  # when the call now blocking the host began
         self._failure: Exception | None = None
         self._fail_lock = threading.Lock()
@@ -87,29 +93,20 @@ class Watchdog:
             return
         with self._ring:
             head = self._head
-            if head - self._tail == self._size:  # full: fold into the newest (see the module docstring)
-                self._markers[(head - 1) % self._size].record(stream)
-                return
-            i = head % self._size
+            if head - self._tail == self._size:  # full: fold into the newest, its time refreshed (module docstring)
+                i = (head - 1) % self._size
+            else:
+                i = head % self._size
+                self._head = head + 1
             self._times[i] = self._clock()
             self._markers[i].record(stream)
-            self._head = head + 1
 
     # ---- every thread ------------------------------------------------------------------
-    @property
-    def failed(self) -> bool:
-        return self._failure is not None
-
     def error(self) -> Exception | None:
         """A new instance of the failure (each waiter raises its own: a raise writes the
         traceback into the instance), or None."""
         f = self._failure
         return None if f is None else _copy(f)
-
-    def check(self) -> None:
-        """Raise the failure, if any."""
-        if self._failure is not None:
-            raise self.error()  # type: ignore[misc]  # not None here
 
     def fail(self, exc: Exception) -> bool:
         """Fail with ``exc`` and call ``abort(exc)`` (the first failure only: True when it was
@@ -160,13 +157,14 @@ class Watchdog:
                                        f"within {self.timeout:g} s (a peer that never issued it, or died?); "
                                        "communicator aborted"))
 
-    @property
-    def outstanding(self) -> int:
-        """Calls recorded and not yet seen complete."""
-        return self._head - self._tail
-
     # ---- lifetime ----------------------------------------------------------------------
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception as exc:  # noqa: BLE001 - a watchdog that cannot watch fails its target
+                self.fail(exc)
+                return
         while not self._stop.wait(self.interval):
             self.tick()
             if self._failure is not None:
