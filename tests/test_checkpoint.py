@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import zlib
 from pathlib import Path
 from typing import Any, cast
@@ -288,12 +289,16 @@ def test_a_save_that_fails_on_one_rank_publishes_nothing(tmp_path: Path) -> None
             _save(tmp_path / "step-2", 2, "scatter_reduce", False)
     finally:
         checkpoint.durable.write_file = real  # type: ignore[assignment]
-    assert not (tmp_path / "step-2").exists() and (tmp_path / ".step-2.partial").exists()
+    assert not (tmp_path / "step-2").exists() and len(_partials(tmp_path)) == 1
     assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
     _save(tmp_path / "step-2", 2, "scatter_reduce", False)  # the leftover is cleared
-    assert checkpoint.latest(tmp_path) == tmp_path / "step-2" and not (tmp_path / ".step-2.partial").exists()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2" and not _partials(tmp_path)
     with pytest.raises(lg.CheckpointError, match="exists already"):
         _save(tmp_path / "step-2", 2, "scatter_reduce", False)
+
+
+def _partials(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.endswith(".partial"))
 
 
 def test_the_manifest_describes_every_chunk(tmp_path: Path) -> None:
@@ -433,3 +438,89 @@ def test_ranks_that_read_different_checkpoints_are_refused(tmp_path: Path) -> No
         return str(info.value)
     for msg in _run(2, job):
         assert "the ranks read different checkpoints" in msg and "step 1" in msg and "step 2" in msg, msg
+
+
+def test_two_saves_to_one_path_at_once_never_mix(tmp_path: Path) -> None:
+    """Two jobs save under one name at the same time, both having written their files before either
+    publishes: each has its own temporary directory, so one publishes its own whole checkpoint and
+    the other fails; the published one loads."""
+    meet = threading.Barrier(2, timeout=30)
+    real = checkpoint.durable.publish
+
+    def publish(tmp: Path, final: Path) -> None:
+        meet.wait()
+        real(tmp, final)
+
+    results: dict[int, Any] = {}
+
+    def job(steps: int) -> None:
+        try:
+            results[steps] = _save(tmp_path / "ck", 1, "scatter_reduce", False, steps=steps)
+        except lg.CheckpointError as e:
+            results[steps] = e
+    checkpoint.durable.publish = publish  # type: ignore[assignment]
+    try:
+        jobs = [threading.Thread(target=job, args=(s,)) for s in (1, 2)]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join()
+    finally:
+        checkpoint.durable.publish = real  # type: ignore[assignment]
+    failed = [s for s, r in results.items() if isinstance(r, lg.CheckpointError)]
+    assert len(failed) == 1, results
+    won = 3 - failed[0]
+
+    def load(c: Any) -> None:
+        e = Engine(c, "scatter_reduce", False)
+        found = checkpoint.load(tmp_path / "ck", e.gm, e.arrays())
+        assert found.meta == {"data_position": won} and e.gm.state_dict()["step"] == won
+        for n in SPECS:
+            assert found.arrays[f"master.{n}"].tobytes() == results[won][0]["master"][n].tobytes()
+        e.gm.close()
+    _run(1, load)
+
+
+def test_stale_partials_are_removed_and_a_running_one_stays(tmp_path: Path) -> None:
+    """A save removes the temporary directories in its parent that no running save holds (a save
+    that crashed or failed); one locked by a save in progress, and directories not of this form,
+    stay."""
+    stale = tmp_path / ".old.0123456789abcdef.partial"
+    stale.mkdir()
+    (stale / "rank-00000.bin").write_bytes(b"x")
+    running = tmp_path / ".other.fedcba9876543210.partial"
+    mine = tmp_path / ".mine.partial"
+    mine.mkdir()
+    fd = checkpoint.durable.claim(running)
+    try:
+        _save(tmp_path / "ck", 2, "scatter_reduce", False, steps=1)
+        assert _partials(tmp_path) == sorted([running.name, mine.name])
+    finally:
+        checkpoint.durable.release(fd)
+    _save(tmp_path / "ck2", 1, "scatter_reduce", False, steps=1)
+    assert _partials(tmp_path) == [mine.name]
+
+
+def test_a_new_parent_is_made_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each directory a save creates is fsynced in its parent; an fsync of the parent that fails
+    after the rename is a warning: the checkpoint is published, loads, and its name is taken."""
+    real = checkpoint.durable.fsync_dir
+    synced: list[Path] = []
+
+    def record(path: Path) -> None:
+        synced.append(path)
+        real(path)
+    monkeypatch.setattr(checkpoint.durable, "fsync_dir", record)
+    _save(tmp_path / "a" / "b" / "ck", 1, "scatter_reduce", False, steps=1)
+    assert tmp_path in synced and tmp_path / "a" in synced and synced[-1] == tmp_path / "a" / "b"
+
+    def failing(path: Path) -> None:
+        if path == tmp_path / "a" / "b":
+            raise OSError(5, "Input/output error")
+        real(path)
+    monkeypatch.setattr(checkpoint.durable, "fsync_dir", failing)
+    with pytest.warns(RuntimeWarning, match="ck2: published, but its parent directory could not be fsynced"):
+        _save(tmp_path / "a" / "b" / "ck2", 1, "scatter_reduce", False, steps=1)
+    assert checkpoint.latest(tmp_path / "a" / "b") == tmp_path / "a" / "b" / "ck2"
+    _run(1, lambda c: checkpoint.read(tmp_path / "a" / "b" / "ck2", Engine(c, "scatter_reduce", False).gm,
+                                      Engine(c, "scatter_reduce", False).arrays()))

@@ -7,11 +7,11 @@ A checkpoint is a directory::
         rank-00000.bin      rank 0's chunks, raw little-endian C-order bytes, back to back
         rank-00001.bin      ...
 
-``save`` (a collective: every rank calls it) writes into ``.step-000100.partial`` beside the
-target, each rank its own file, fsynced; rank 0 then writes the manifest, fsyncs and renames the
-directory to its name: before the rename there is no checkpoint, after it a whole one, so a crash
-at any point leaves the previous checkpoints as they were (the next save into the same name
-removes the leftover). ``load`` (a
+``save`` (a collective: every rank calls it) writes into ``.step-000100.TOKEN.partial`` beside the
+target (TOKEN: rank 0's random one, so two saves never share it), each rank its own file, fsynced;
+rank 0 then writes the manifest, fsyncs and renames the directory to its name: before the rename
+there is no checkpoint, after it a whole one, so a crash at any point leaves the previous
+checkpoints as they were (the next save in the same directory removes the leftover). ``load`` (a
 collective too) reads the chunks that overlap this rank's rows of each array, whichever world saved
 them, checks the manifest (its own CRC-32, its whole schema) and every byte it uses against the
 manifest's CRC-32, and every rank's verdict, the identity of the manifest each read included, before
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import secrets
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -105,17 +105,27 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
     meta_text = json.dumps(dict(meta or {}))  # TypeError here for data JSON cannot hold
     final = Path(path)
     state = ManagerState.parse(manager.state_dict()).portable()  # ProtocolError inside a step
+    token = manager.comm.host_allgather(secrets.token_hex(8).encode() if manager.rank == 0 else b"")[0].decode()
+    tmp = durable.partial(final, token)  # this save's own: another save never writes into it
+    lock: list[int] = []
+    try:
+        return _save(final, tmp, lock, manager, arrays, meta_text, state)
+    finally:
+        for fd in lock:
+            durable.release(fd)
+
+
+def _save(final: Path, tmp: Path, lock: list[int], manager: Any, arrays: dict[str, Rows], meta_text: str,
+          state: dict[str, Any]) -> Path:
     comm, rank, world = manager.comm, manager.rank, manager.world
-    tmp = final.parent / f".{final.name}.partial"
 
     def prepare() -> None:
         if final.exists():
             raise CheckpointError(f"{final} exists already (save each checkpoint under a new name)")
         if rank == 0:
-            if tmp.exists():  # a save that crashed: never published, never read
-                shutil.rmtree(tmp)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
+            durable.make_dirs(final.parent)
+            durable.remove_stale(final.parent)  # leftovers of saves that crashed or failed: never read
+            lock.append(durable.claim(tmp))  # held until the save returns: no other save removes it
     agree(comm, prepare, f"save {final}")
 
     def write() -> dict[str, Any]:
