@@ -8,6 +8,7 @@ checkpoint; a missing, half-written, truncated, corrupted or foreign checkpoint 
 rank naming the file, with nothing changed."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -438,6 +439,15 @@ def test_ranks_that_read_different_checkpoints_are_refused(tmp_path: Path) -> No
         return str(info.value)
     for msg in _run(2, job):
         assert "the ranks read different checkpoints" in msg and "step 1" in msg and "step 2" in msg, msg
+    (tmp_path / "link").symlink_to(tmp_path / "a")  # one checkpoint by two paths is one checkpoint
+
+    def by_two_paths(c: Any) -> int:
+        e = Engine(c, "scatter_reduce", False)
+        checkpoint.load(tmp_path / ("a" if c.rank == 0 else "link"), e.gm, e.arrays())
+        step = int(e.gm.state_dict()["step"])
+        e.gm.close()
+        return step
+    assert _run(2, by_two_paths) == [1, 1]
 
 
 def test_two_saves_to_one_path_at_once_never_mix(tmp_path: Path) -> None:
@@ -499,6 +509,19 @@ def test_stale_partials_are_removed_and_a_running_one_stays(tmp_path: Path) -> N
         checkpoint.durable.release(fd)
     _save(tmp_path / "ck2", 1, "scatter_reduce", False, steps=1)
     assert _partials(tmp_path) == [mine.name]
+
+
+def test_without_flock_a_save_goes_on_and_removes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without ``flock`` (ENOLCK): the save publishes, no leftover is removed (nothing
+    tells it from a save in progress)."""
+    stale = tmp_path / ".old.0123456789abcdef.partial"
+    stale.mkdir()
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(checkpoint.durable.fcntl, "flock", no_flock)
+    _save(tmp_path / "ck", 2, "scatter_reduce", False, steps=1)
+    assert checkpoint.latest(tmp_path) == tmp_path / "ck" and _partials(tmp_path) == [stale.name]
 
 
 def test_a_new_parent_is_made_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,12 +42,21 @@ def partial(final: Path, token: str) -> Path:
 
 
 def claim(tmp: Path) -> int:
-    """``tmp`` created and locked; the descriptor that holds the lock (:func:`release` it)."""
-    tmp.mkdir()
-    fd = os.open(tmp, os.O_RDONLY)
+    """``tmp`` created and locked; the descriptor that holds the lock (:func:`release` it). On a
+    file system without ``flock`` (some network mounts) it stays unlocked: :func:`remove_stale`
+    cannot lock it either there, so it removes nothing and the save goes on."""
+    # made and locked under a name no cleaner matches, then renamed (the lock is the directory's,
+    # whatever its name): a cleaner never sees it unlocked while this save runs
+    making = tmp.with_name(tmp.name + ".new")
+    making.mkdir()
+    fd = os.open(making, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a cleaner took it between the mkdir and here: this save fails, nothing is published
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: nobody else holds it
+    except OSError:
+        pass  # no flock here (ENOLCK, EOPNOTSUPP, ...)
+    try:
+        os.rename(making, tmp)
+    except OSError:
         os.close(fd)
         raise
     return fd
@@ -59,7 +68,8 @@ def release(fd: int) -> None:
 
 def remove_stale(parent: Path) -> None:
     """Remove the temporary directories in ``parent`` that no running save holds (left by a save
-    that crashed or failed); those locked by a save in progress stay."""
+    that crashed or failed); those locked by a save in progress stay, and all stay where the file
+system has no ``flock``."""
     for d in sorted(parent.iterdir()):
         if not _PARTIAL.fullmatch(d.name) or not d.is_dir():
             continue
@@ -71,7 +81,7 @@ def remove_stale(parent: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            continue  # a save in progress
+            continue  # a save in progress, or no flock on this file system: nothing tells a leftover
         try:
             shutil.rmtree(d, ignore_errors=True)
         finally:

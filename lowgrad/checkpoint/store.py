@@ -230,7 +230,8 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, st
     out = {}
     for name in sorted(wanted):
         out[name] = _rows(path, m, name, wanted[name], sizes)
-    identity = f"{path}: manifest CRC-32 {m['crc32']:08x}, step {saved.step}, world {m['world']}"
+    # the manifest's content, not the path: ranks may reach one checkpoint by different paths
+    identity = f"the checkpoint whose manifest's CRC-32 is {m['crc32']:08x} (step {saved.step}, world {m['world']})"
     return Loaded(out, saved, m["meta"], m["world"]), identity
 
 
