@@ -8,12 +8,14 @@ checkpoint; a missing, half-written, truncated, corrupted or foreign checkpoint 
 rank naming the file, with nothing changed."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import threading
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -192,6 +194,15 @@ def test_a_checkpoint_loads_at_any_world(tmp_path: Path, saved: int, resumed: in
         _same(a, b)
 
 
+def _reseal(p: Path, m: dict[str, Any]) -> None:
+    """Write ``m`` as the manifest of ``p`` with its CRC-32 as documented: over the canonical JSON
+    (sorted keys, no spaces) of everything but ``crc32`` (a foreign or malformed manifest that is
+    not merely corrupted)."""
+    body = {k: v for k, v in m.items() if k != "crc32"}
+    m["crc32"] = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    (p / "manifest.json").write_text(json.dumps(m))
+
+
 def _refused(path: Path, world: int, strategy: str = "scatter_reduce", layout: lg.Layout = LAYOUT) -> list[str]:
     """Each rank's CheckpointError message from loading ``path``, having checked nothing changed."""
     def job(c: Any) -> str:
@@ -234,7 +245,7 @@ def test_broken_and_foreign_checkpoints_are_refused_naming_the_file(tmp_path: Pa
             m = json.loads((p / "manifest.json").read_text())
             for k, v in changes.items():
                 m[k] = v(m[k])
-            (p / "manifest.json").write_text(json.dumps(m))
+            _reseal(p, m)
         return edit
 
     cases = {
@@ -279,12 +290,16 @@ def test_a_save_that_fails_on_one_rank_publishes_nothing(tmp_path: Path) -> None
             _save(tmp_path / "step-2", 2, "scatter_reduce", False)
     finally:
         checkpoint.durable.write_file = real  # type: ignore[assignment]
-    assert not (tmp_path / "step-2").exists() and (tmp_path / ".step-2.partial").exists()
+    assert not (tmp_path / "step-2").exists() and len(_partials(tmp_path)) == 1
     assert checkpoint.latest(tmp_path) == tmp_path / "step-1"
     _save(tmp_path / "step-2", 2, "scatter_reduce", False)  # the leftover is cleared
-    assert checkpoint.latest(tmp_path) == tmp_path / "step-2" and not (tmp_path / ".step-2.partial").exists()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2" and not _partials(tmp_path)
     with pytest.raises(lg.CheckpointError, match="exists already"):
         _save(tmp_path / "step-2", 2, "scatter_reduce", False)
+
+
+def _partials(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.endswith(".partial"))
 
 
 def test_the_manifest_describes_every_chunk(tmp_path: Path) -> None:
@@ -317,3 +332,218 @@ def test_bad_arguments_change_nothing(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="does not fit"):
         Rows(np.zeros((3, 2)), (4, 2), 2)
+
+
+def _copy(good: Path, to: Path, edit: Any) -> Path:
+    """A copy of the checkpoint ``good`` at ``to`` whose manifest ``edit`` changed (then resealed)."""
+    shutil.copytree(good, to)
+    m = json.loads((to / "manifest.json").read_text())
+    edit(m)
+    _reseal(to, m)
+    return to
+
+
+def test_an_error_of_any_kind_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Whatever ``fn`` raises on one rank (a KeyError here) is a CheckpointError on every rank,
+    chained to the error on the rank that raised it: no rank is left in the collective."""
+    def job(c: Any) -> tuple[str, str | None]:
+        def fn() -> int:
+            if c.rank == 1:
+                raise KeyError("crc32")
+            return 1
+        with pytest.raises(lg.CheckpointError) as info:
+            checkpoint.agree(c, fn, "load /x")
+        cause = info.value.__cause__
+        return str(info.value), type(cause).__name__ if cause else None
+    assert _run(2, job) == [("load /x: rank 1: KeyError: 'crc32'", None), ("load /x: rank 1: KeyError: 'crc32'",
+                                                                         "KeyError")]
+
+
+def test_a_malformed_manifest_is_refused_on_every_rank_naming_the_field(tmp_path: Path) -> None:
+    """Each manifest below has a valid CRC-32 (another writer's mistake, not corruption): the whole
+    schema is checked before any byte is read, so a chunk only rank 1 reads fails on both ranks."""
+    good = tmp_path / "good"
+    _save(good, 2, "scatter_reduce", False)
+    name = "master.layers.0.w"
+
+    def chunk(m: dict[str, Any], i: int) -> dict[str, Any]:
+        return cast(dict[str, Any], m["arrays"][name]["chunks"][i])
+
+    def twice(m: dict[str, Any]) -> None:  # rows [0, 6) twice, [6, 12) never (the review's r2)
+        m["arrays"][name]["chunks"][1] = dict(chunk(m, 0))
+
+    cases = {
+        "no_crc": (lambda m: chunk(m, 1).pop("crc32"), "a chunk must hold exactly"),
+        "twice": (twice, "held by no chunk or by two"),
+        "gap": (lambda m: m["arrays"][name]["chunks"].pop(1), "hold 6 of its 12 rows"),
+        "bytes": (lambda m: chunk(m, 1).update(bytes=chunk(m, 1)["bytes"] - 4), "not 96"),
+        "file": (lambda m: chunk(m, 1).update(file="../../etc/passwd"), "is not in files"),
+        "past_end": (lambda m: chunk(m, 1).update(offset=10 ** 9), "lies past the end of rank-00001.bin"),
+        "world": (lambda m: m.update(world=True), "world is True"),
+        "files": (lambda m: m["files"].pop("rank-00001.bin"), "not one per rank of world 2"),
+        "extra": (lambda m: m.update(extra=1), "the manifest must hold exactly"),
+        "dtype": (lambda m: m["arrays"][name].update(dtype="object"), "not a numpy dtype name"),
+        "step": (lambda m: m["manager"].update(step=-1), "step"),
+    }
+    for what, (edit, needle) in cases.items():
+        p = _copy(good, tmp_path / what, edit)
+        for msg in _refused(p, 2):
+            assert "manifest.json: malformed" in msg and needle in msg, (what, msg)
+        assert checkpoint.latest(tmp_path) == good  # whichever name sorts last, a malformed one is passed over
+    for msg in _refused(tmp_path / "no_crc", 3):
+        assert "rank 0: " in msg and "rank 2: " in msg
+
+
+def test_an_edited_manifest_fails_its_crc(tmp_path: Path) -> None:
+    """The manifest's own CRC-32: a changed base seed (silently other SR noise) is refused on every
+    rank naming the file, and latest() passes the checkpoint over."""
+    good = tmp_path / "a"
+    _save(good, 2, "scatter_reduce", False)
+    shutil.copytree(good, tmp_path / "b")
+    text = (tmp_path / "b" / "manifest.json").read_text()
+    seed = json.loads(text)["manager"]["base_seed"]
+    (tmp_path / "b" / "manifest.json").write_text(text.replace(f'"base_seed": {seed}', f'"base_seed": {seed + 2}'))
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["manager"]["base_seed"] == seed + 2
+    for msg in _refused(tmp_path / "b", 2):
+        assert "b/manifest.json: its CRC-32 does not match its content" in msg
+    assert checkpoint.latest(tmp_path) == good
+
+
+def test_latest_passes_over_a_checkpoint_missing_a_file(tmp_path: Path) -> None:
+    """The newest whole checkpoint: one whose file is missing or of another size than listed is
+    passed over, whatever its step (the review's r9)."""
+    _save(tmp_path / "step-2", 2, "scatter_reduce", False, steps=2)
+    _save(tmp_path / "step-9", 2, "scatter_reduce", False, steps=3)
+    (tmp_path / "step-9" / "rank-00001.bin").unlink()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+    _save(tmp_path / "step-8", 2, "scatter_reduce", False, steps=3)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-8"
+    with open(tmp_path / "step-8" / "rank-00000.bin", "ab") as fh:
+        fh.write(b"x")
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+
+
+def test_ranks_that_read_different_checkpoints_are_refused(tmp_path: Path) -> None:
+    """Each rank's verdict names the manifest it read: two ranks given two whole checkpoints (each
+    rank's own latest() differed) refuse both, on every rank, with nothing changed."""
+    _save(tmp_path / "a", 2, "scatter_reduce", False, steps=1)
+    _save(tmp_path / "b", 2, "scatter_reduce", False, steps=2)
+
+    def job(c: Any) -> str:
+        e = Engine(c, "scatter_reduce", False)
+        before = e.gm.state_dict()
+        with pytest.raises(lg.CheckpointError) as info:
+            checkpoint.load(tmp_path / ("a" if c.rank == 0 else "b"), e.gm, e.arrays())
+        assert e.gm.state_dict() == before
+        e.gm.close()
+        return str(info.value)
+    for msg in _run(2, job):
+        assert "the ranks read different checkpoints" in msg and "step 1" in msg and "step 2" in msg, msg
+    (tmp_path / "link").symlink_to(tmp_path / "a")  # one checkpoint by two paths is one checkpoint
+
+    def by_two_paths(c: Any) -> int:
+        e = Engine(c, "scatter_reduce", False)
+        checkpoint.load(tmp_path / ("a" if c.rank == 0 else "link"), e.gm, e.arrays())
+        step = int(e.gm.state_dict()["step"])
+        e.gm.close()
+        return step
+    assert _run(2, by_two_paths) == [1, 1]
+
+
+def test_two_saves_to_one_path_at_once_never_mix(tmp_path: Path) -> None:
+    """Two jobs save under one name at the same time, both having written their files before either
+    publishes: each has its own temporary directory, so one publishes its own whole checkpoint and
+    the other fails; the published one loads."""
+    meet = threading.Barrier(2, timeout=30)
+    real = checkpoint.durable.publish
+
+    def publish(tmp: Path, final: Path) -> None:
+        meet.wait()
+        real(tmp, final)
+
+    results: dict[int, Any] = {}
+
+    def job(steps: int) -> None:
+        try:
+            results[steps] = _save(tmp_path / "ck", 1, "scatter_reduce", False, steps=steps)
+        except lg.CheckpointError as e:
+            results[steps] = e
+    checkpoint.durable.publish = publish  # type: ignore[assignment]
+    try:
+        jobs = [threading.Thread(target=job, args=(s,)) for s in (1, 2)]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join()
+    finally:
+        checkpoint.durable.publish = real  # type: ignore[assignment]
+    failed = [s for s, r in results.items() if isinstance(r, lg.CheckpointError)]
+    assert len(failed) == 1, results
+    won = 3 - failed[0]
+
+    def load(c: Any) -> None:
+        e = Engine(c, "scatter_reduce", False)
+        found = checkpoint.load(tmp_path / "ck", e.gm, e.arrays())
+        assert found.meta == {"data_position": won} and e.gm.state_dict()["step"] == won
+        for n in SPECS:
+            assert found.arrays[f"master.{n}"].tobytes() == results[won][0]["master"][n].tobytes()
+        e.gm.close()
+    _run(1, load)
+
+
+def test_stale_partials_are_removed_and_a_running_one_stays(tmp_path: Path) -> None:
+    """A save removes the temporary directories in its parent that no running save holds (a save
+    that crashed or failed); one locked by a save in progress, and directories not of this form,
+    stay."""
+    stale = tmp_path / ".old.0123456789abcdef.partial"
+    stale.mkdir()
+    (stale / "rank-00000.bin").write_bytes(b"x")
+    running = tmp_path / ".other.fedcba9876543210.partial"
+    mine = tmp_path / ".mine.partial"
+    mine.mkdir()
+    fd = checkpoint.durable.claim(running)
+    try:
+        _save(tmp_path / "ck", 2, "scatter_reduce", False, steps=1)
+        assert _partials(tmp_path) == sorted([running.name, mine.name])
+    finally:
+        checkpoint.durable.release(fd)
+    _save(tmp_path / "ck2", 1, "scatter_reduce", False, steps=1)
+    assert _partials(tmp_path) == [mine.name]
+
+
+def test_without_flock_a_save_goes_on_and_removes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without ``flock`` (ENOLCK): the save publishes, no leftover is removed (nothing
+    tells it from a save in progress)."""
+    stale = tmp_path / ".old.0123456789abcdef.partial"
+    stale.mkdir()
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(checkpoint.durable.fcntl, "flock", no_flock)
+    _save(tmp_path / "ck", 2, "scatter_reduce", False, steps=1)
+    assert checkpoint.latest(tmp_path) == tmp_path / "ck" and _partials(tmp_path) == [stale.name]
+
+
+def test_a_new_parent_is_made_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each directory a save creates is fsynced in its parent; an fsync of the parent that fails
+    after the rename is a warning: the checkpoint is published, loads, and its name is taken."""
+    real = checkpoint.durable.fsync_dir
+    synced: list[Path] = []
+
+    def record(path: Path) -> None:
+        synced.append(path)
+        real(path)
+    monkeypatch.setattr(checkpoint.durable, "fsync_dir", record)
+    _save(tmp_path / "a" / "b" / "ck", 1, "scatter_reduce", False, steps=1)
+    assert tmp_path in synced and tmp_path / "a" in synced and synced[-1] == tmp_path / "a" / "b"
+
+    def failing(path: Path) -> None:
+        if path == tmp_path / "a" / "b":
+            raise OSError(5, "Input/output error")
+        real(path)
+    monkeypatch.setattr(checkpoint.durable, "fsync_dir", failing)
+    with pytest.warns(RuntimeWarning, match="ck2: published, but its parent directory could not be fsynced"):
+        _save(tmp_path / "a" / "b" / "ck2", 1, "scatter_reduce", False, steps=1)
+    assert checkpoint.latest(tmp_path / "a" / "b") == tmp_path / "a" / "b" / "ck2"
+    _run(1, lambda c: checkpoint.read(tmp_path / "a" / "b" / "ck2", Engine(c, "scatter_reduce", False).gm,
+                                      Engine(c, "scatter_reduce", False).arrays()))

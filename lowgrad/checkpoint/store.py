@@ -7,35 +7,34 @@ A checkpoint is a directory::
         rank-00000.bin      rank 0's chunks, raw little-endian C-order bytes, back to back
         rank-00001.bin      ...
 
-``save`` (a collective: every rank calls it) writes into ``.step-000100.partial`` beside the
-target, each rank its own file, fsynced; rank 0 then writes the manifest, fsyncs and renames the
-directory to its name: before the rename there is no checkpoint, after it a whole one, so a crash
-at any point leaves the previous checkpoints as they were (the next save into the same name
-removes the leftover). ``load`` (a collective too) reads the chunks that overlap this rank's rows
-of each array, whichever world saved them, checks every byte it uses against the manifest's CRC-32
-and every rank's verdict before it returns: a checkpoint refused on one rank is refused on all,
-and nothing has changed.
+``save`` (a collective: every rank calls it) writes into ``.step-000100.TOKEN.partial`` beside the
+target (TOKEN: rank 0's random one, so two saves never share it), each rank its own file, fsynced;
+rank 0 then writes the manifest, fsyncs and renames the directory to its name: before the rename
+there is no checkpoint, after it a whole one, so a crash at any point leaves the previous
+checkpoints as they were (the next save in the same directory removes the leftover). ``load`` (a
+collective too) reads the chunks that overlap this rank's rows of each array, whichever world saved
+them, checks the manifest (its own CRC-32, its whole schema) and every byte it uses against the
+manifest's CRC-32, and every rank's verdict, the identity of the manifest each read included, before
+it returns: a checkpoint refused on one rank is refused on all, and nothing has changed.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import secrets
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
-import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype name, which manifests use
 import numpy as np
 
 from lowgrad.base.errors import CheckpointError
-from lowgrad.checkpoint import durable
+from lowgrad.checkpoint import durable, manifest
+from lowgrad.checkpoint.manifest import rank_file
 from lowgrad.checkpoint.rows import Rows
 from lowgrad.managers.state import ManagerState, resume_state
 
-FORMAT, VERSION = "lowgrad-checkpoint", 1
-MANIFEST = "manifest.json"
 T = TypeVar("T")
 
 
@@ -49,10 +48,6 @@ class Loaded(NamedTuple):
     world: int
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.bin"
-
-
 def _fingerprint(manager: Any) -> dict[str, Any]:
     """What makes two runs' checkpoints interchangeable: the layout and the gradient dtype."""
     layout = manager.layout
@@ -61,24 +56,35 @@ def _fingerprint(manager: Any) -> dict[str, Any]:
             "non_block": [[s.name, list(s.shape)] for s in layout.non_block]}
 
 
-def agree(comm: Any, fn: Callable[[], T], what: str) -> T:
+def agree(comm: Any, fn: Callable[[], T], what: str, key: Callable[[T], str] | None = None) -> T:
     """``fn()`` on this rank, then every rank's verdict (a collective over ``comm``): ``fn``'s
     result where every rank succeeded, else CheckpointError on every rank naming each rank that
-    failed and why, so that no rank goes on to a collective the others never reach."""
+    failed and why (whatever ``fn`` raised: chained on the rank that raised it), so that no rank
+    goes on to a collective the others never reach. ``key`` gives what every rank's result must
+    share (which checkpoint each read): CheckpointError on every rank when the ranks' differ."""
     result, error = _attempt(fn)
-    verdicts = comm.host_allgather((error or "").encode())
-    bad = [(r, v.decode()) for r, v in enumerate(verdicts) if v]
+    mine = f"!{_reason(error)}" if error is not None else "=" + (key(cast(T, result)) if key else "")
+    verdicts = [v.decode() for v in comm.host_allgather(mine.encode())]
+    bad = [f"rank {r}: {v[1:]}" for r, v in enumerate(verdicts) if v.startswith("!")]
     if bad:
-        raise CheckpointError(f"{what}: " + "; ".join(f"rank {r}: {msg}" for r, msg in bad))
+        raise CheckpointError(f"{what}: " + "; ".join(bad)) from error
+    if len(set(verdicts)) > 1:
+        raise CheckpointError(f"{what}: the ranks read different checkpoints (each rank's latest() differs?): "
+                              + "; ".join(f"rank {r}: {v[1:]}" for r, v in enumerate(verdicts)))
     return cast(T, result)  # no rank failed, this one included
 
 
-def _attempt(fn: Callable[[], T]) -> tuple[T | None, str | None]:
-    """``fn()`` and None, or None and the one-line reason it failed (checked errors and I/O)."""
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``fn()`` and None, or None and what it raised: any error, so that this rank still gives its
+    verdict (a bug or a malformed input here must not strand the other ranks in the collective)."""
     try:
         return fn(), None
-    except (CheckpointError, OSError, ValueError, TypeError) as e:
-        return None, f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised chained by agree
+        return None, e
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _check_arrays(arrays: Any, what: str) -> dict[str, Rows]:
@@ -99,17 +105,27 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
     meta_text = json.dumps(dict(meta or {}))  # TypeError here for data JSON cannot hold
     final = Path(path)
     state = ManagerState.parse(manager.state_dict()).portable()  # ProtocolError inside a step
+    token = manager.comm.host_allgather(secrets.token_hex(8).encode() if manager.rank == 0 else b"")[0].decode()
+    tmp = durable.partial(final, token)  # this save's own: another save never writes into it
+    lock: list[int] = []
+    try:
+        return _save(final, tmp, lock, manager, arrays, meta_text, state)
+    finally:
+        for fd in lock:
+            durable.release(fd)
+
+
+def _save(final: Path, tmp: Path, lock: list[int], manager: Any, arrays: dict[str, Rows], meta_text: str,
+          state: dict[str, Any]) -> Path:
     comm, rank, world = manager.comm, manager.rank, manager.world
-    tmp = final.parent / f".{final.name}.partial"
 
     def prepare() -> None:
         if final.exists():
             raise CheckpointError(f"{final} exists already (save each checkpoint under a new name)")
         if rank == 0:
-            if tmp.exists():  # a save that crashed: never published, never read
-                shutil.rmtree(tmp)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
+            durable.make_dirs(final.parent)
+            durable.remove_stale(final.parent)  # leftovers of saves that crashed or failed: never read
+            lock.append(durable.claim(tmp))  # held until the save returns: no other save removes it
     agree(comm, prepare, f"save {final}")
 
     def write() -> dict[str, Any]:
@@ -127,20 +143,20 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
                            "crc32": zlib.crc32(raw)}
             chunks.append(raw)
             offset += raw.nbytes
-        durable.write_file(tmp / _rank_file(rank), chunks)
-        return {"file": _rank_file(rank), "bytes": offset, "chunks": index}
+        durable.write_file(tmp / rank_file(rank), chunks)
+        return {"file": rank_file(rank), "bytes": offset, "chunks": index}
     written, error = _attempt(write)
-    verdicts = comm.host_allgather((error or "").encode() if error else json.dumps(written).encode())
+    verdicts = comm.host_allgather(_reason(error).encode() if error else json.dumps(written).encode())
     failed = [f"rank {r}: {v.decode()}" for r, v in enumerate(verdicts) if not v.startswith(b"{")]
     if failed:
-        raise CheckpointError(f"save {final}: " + "; ".join(failed))
+        raise CheckpointError(f"save {final}: " + "; ".join(failed)) from error
 
     def commit() -> None:
         per_rank = [json.loads(v) for v in verdicts]
-        manifest = {"format": FORMAT, "version": VERSION, "world": world, "manager": state,
-                    "layout": _fingerprint(manager), "meta": json.loads(meta_text),
-                    "files": {w["file"]: w["bytes"] for w in per_rank}, "arrays": _merge(per_rank, set(arrays))}
-        durable.write_file(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+        m = {"format": manifest.FORMAT, "version": manifest.VERSION, "world": world, "manager": state,
+             "layout": _fingerprint(manager), "meta": json.loads(meta_text),
+             "files": {w["file"]: w["bytes"] for w in per_rank}, "arrays": _merge(per_rank, set(arrays))}
+        durable.write_file(tmp / manifest.NAME, [manifest.encode(m)])
         durable.publish(tmp, final)
     agree(comm, commit if rank == 0 else lambda: None, f"save {final}")
     return final
@@ -162,44 +178,19 @@ def _merge(per_rank: list[dict[str, Any]], names: set[str]) -> dict[str, Any]:
         if name not in out:
             raise ValueError(f"array {name!r}: no rank holds it")
         entry = out[name]
-        rows = entry["shape"][0] if entry["shape"] else 1
-        entry["chunks"].sort(key=lambda c: c["start"])
-        covered = 0
-        for c in entry["chunks"]:
-            if c["start"] != covered:
-                raise ValueError(f"array {name!r}: rows [{min(covered, c['start'])}, {max(covered, c['start'])}) "
-                                 "are held by no rank or by two")
-            covered += c["rows"]
-        if covered != rows:
-            raise ValueError(f"array {name!r}: the ranks hold {covered} of its {rows} rows")
+        entry["chunks"].sort(key=lambda c: (c["start"], c["rows"]))
+        try:
+            manifest.cover(entry["chunks"], entry["shape"][0] if entry["shape"] else 1)
+        except ValueError as e:
+            raise ValueError(f"array {name!r}: the ranks' rows disagree: {e}") from None
     return out
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checked manifest of the checkpoint at ``path``: CheckpointError naming the file when
-    it is missing (not a checkpoint, or a save that never finished), unreadable or not this
-    format."""
-    where = Path(path) / MANIFEST
-    if not where.is_file():
-        raise CheckpointError(f"{where} is missing: {path} is not a checkpoint, or its save did not finish")
-    try:
-        m = json.loads(where.read_bytes())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where}: unreadable or not JSON (truncated or corrupted): {e}") from e
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: not a lowgrad checkpoint manifest")
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"{where}: version {m.get('version')!r} is not supported (this lowgrad reads "
-                              f"version {VERSION})")
-    try:
-        world = m["world"]
-        ok = (isinstance(world, int) and world >= 1 and isinstance(m["manager"], dict)
-              and isinstance(m["meta"], dict) and isinstance(m["files"], dict) and isinstance(m["arrays"], dict))
-    except KeyError as e:
-        raise CheckpointError(f"{where}: malformed: no {e}") from None
-    if not ok:
-        raise CheckpointError(f"{where}: malformed (a field of the wrong type)")
-    return m
+    it is missing (not a checkpoint, or a save that never finished), unreadable, not this format,
+    fails its own CRC-32 or is malformed in any field."""
+    return manifest.read(Path(path))
 
 
 def read(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows]) -> Loaded:
@@ -208,7 +199,9 @@ def read(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows])
     gives only dtype and row count). Nothing changes: the caller applies what it got. A collective
     over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint."""
     arrays = _check_arrays(arrays, "read")
-    return agree(manager.comm, lambda: _read(Path(path), manager, arrays), f"load {path}")
+    found, _ = agree(manager.comm, lambda: _read(Path(path), manager, arrays), f"load {path}",
+                     key=lambda got: got[1])
+    return found
 
 
 def load(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows]) -> Loaded:
@@ -219,9 +212,10 @@ def load(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows])
     return found
 
 
-def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> Loaded:
-    m = read_manifest(path)
-    where = path / MANIFEST
+def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, str]:
+    """What this rank reads, and which checkpoint that is (every rank must have read the same)."""
+    m = manifest.read(path)
+    where = path / manifest.NAME
     try:
         saved = resume_state(m["manager"], manager)
     except (TypeError, ValueError) as e:
@@ -236,40 +230,31 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> Loaded:
     out = {}
     for name in sorted(wanted):
         out[name] = _rows(path, m, name, wanted[name], sizes)
-    return Loaded(out, saved, m["meta"], m["world"])
+    # the manifest's content, not the path: ranks may reach one checkpoint by different paths
+    identity = f"the checkpoint whose manifest's CRC-32 is {m['crc32']:08x} (step {saved.step}, world {m['world']})"
+    return Loaded(out, saved, m["meta"], m["world"]), identity
 
 
 def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str, int]) -> np.ndarray:
-    """Rows ``[want.start, want.stop)`` of array ``name`` from the chunks that hold them, each
-    checked (file size, CRC-32) before use."""
+    """Rows ``[want.start, want.stop)`` of array ``name`` from the chunks that hold them (the
+    manifest checked: they hold every row once), each checked (file size, CRC-32) before use."""
     entry = m["arrays"][name]
-    try:
-        dtype, shape, chunks = np.dtype(entry["dtype"]), tuple(entry["shape"]), entry["chunks"]
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{path / MANIFEST}: array {name!r} malformed ({e})") from None
+    dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
     if dtype != want.data.dtype or shape != want.shape:
-        raise CheckpointError(f"{path / MANIFEST}: array {name!r} is {dtype.name} {list(shape)}, this run's is "
+        raise CheckpointError(f"{path / manifest.NAME}: array {name!r} is {dtype.name} {list(shape)}, this run's is "
                               f"{want.data.dtype.name} {list(want.shape)} (another model or optimizer?)")
     row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
     out = np.empty(want.data.shape, dtype)
     flat = out.reshape(-1).view(np.uint8)
-    covered = 0
-    for c in chunks:
+    for c in entry["chunks"]:
         lo, hi = max(c["start"], want.start), min(c["start"] + c["rows"], want.stop)
         if not shape:
             lo, hi = 0, 1
         if lo >= hi:
             continue
         file = path / c["file"]
-        size = sizes.get(c["file"])
-        if size is None:
-            try:
-                size = sizes[c["file"]] = os.stat(file).st_size
-            except OSError as e:
-                raise CheckpointError(f"{file}: missing or unreadable ({e.strerror})") from None
-            if size != m["files"].get(c["file"]):
-                raise CheckpointError(f"{file}: {size} bytes, the manifest says {m['files'].get(c['file'])} "
-                                      "(truncated or replaced)")
+        if c["file"] not in sizes:
+            sizes[c["file"]] = _check_size(path, m, c["file"])
         with open(file, "rb") as fh:
             fh.seek(c["offset"])
             raw = fh.read(c["bytes"])
@@ -281,26 +266,40 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
                 np.frombuffer(raw, np.uint8)[(lo - c["start"]) * row:(hi - c["start"]) * row]
         else:
             flat[:] = np.frombuffer(raw, np.uint8)
-        covered += hi - lo
-    if covered != (want.stop - want.start):
-        raise CheckpointError(f"{path / MANIFEST}: array {name!r}: rows [{want.start}, {want.stop}) are not all "
-                              "held by its chunks (malformed)")
     return out
 
 
+def _check_size(path: Path, m: dict[str, Any], name: str) -> int:
+    """The size of the checkpoint's file ``name``: CheckpointError naming it when it is missing or
+    not the size the manifest lists."""
+    file = path / name
+    try:
+        size = os.stat(file).st_size
+    except OSError as e:
+        raise CheckpointError(f"{file}: missing or unreadable ({e.strerror})") from None
+    if size != m["files"][name]:
+        raise CheckpointError(f"{file}: {size} bytes, the manifest says {m['files'][name]} (truncated or replaced)")
+    return size
+
+
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint under ``root`` with the highest manager step (ties: the last name),
-    or None: directories whose manifest is missing or unreadable (a save cut short, another
-    file) are passed over, so after a crash the previous checkpoint is the one resumed."""
+    """The whole checkpoint under ``root`` with the highest manager step (ties: the last name),
+    or None: directories whose manifest is missing or refused (a save cut short, another file, an
+    edit) or one of whose files is missing or not its listed size are passed over, so after a
+    crash the previous checkpoint is the one resumed. The files' CRC-32s are not read here (that
+    is a pass over every byte): :func:`load` checks those of the bytes it uses."""
     best: tuple[int, str] | None = None
     found = None
     for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         if d.name.startswith(".") or not d.is_dir():
             continue
         try:
-            step = read_manifest(d)["manager"]["step"]
-        except (CheckpointError, KeyError, TypeError):
+            m = manifest.read(d)
+            for name in m["files"]:
+                _check_size(d, m, name)
+        except CheckpointError:
             continue
-        if isinstance(step, int) and (best is None or (step, d.name) >= best):
+        step = m["manager"]["step"]
+        if best is None or (step, d.name) >= best:
             best, found = (step, d.name), d
     return found
