@@ -998,8 +998,10 @@ class ShardOptimizer:
                 raise CheckpointError(f"{where}: {key!r} is {what}, this rank's is {want.dtype} {tuple(want.shape)}")
             pairs[key] = (want, got)
         masters = [pairs[f"master.{name}"] for name in self.names]
-        states = [{key[len(f"state.{name}."):]: pair for key, pair in pairs.items() if key.startswith(f"state.{name}.")}
-                  for name in self.names]
+        has_state = self._has_state()  # the state keys of each parameter, as _state wrote them
+        states = [{k: pairs[f"state.{name}.{k}"]
+                   for k in (self.optimizer.state[master] if has_state else self._fresh_state()[i])}
+                  for i, (name, master) in enumerate(zip(self.names, self.params))]
         return saved, opt, groups, masters, states
 
     def _check_optimizer(self, opt: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -542,6 +542,25 @@ def test_dcp_without_a_process_group_is_refused_at_world_2(tmp_path: Path) -> No
     threads(2, job)
 
 
+def test_dcp_with_a_process_group_of_another_rank_or_world_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows must be the group's rank's part: rank 0's rows under a group's rank 1, or under a
+    world of 3, are refused; a group of their world and rank describes them; whole rows need none."""
+    import torch.distributed as dist
+    rows = lt.ShardRows(torch.zeros(3, 4), (6, 4), 0)  # rank 0 of 2
+    group: list[int] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(group))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: group[0])
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: group[1])
+    for world, rank, found in [(2, 1, "found rank 1 of 2"), (3, 0, "found rank 0 of 3")]:
+        group[:] = [world, rank]
+        with pytest.raises(RuntimeError, match=f"rank 0 of 2\\) needs a torch.distributed process group.*{found}"):
+            rows.__create_chunk_list__()
+    group[:] = [2, 0]
+    assert rows.__create_chunk_list__()[0].offsets == torch.Size([0, 0])
+    group[:] = []
+    assert lt.ShardRows(torch.zeros(6, 4), (6, 4), 0).__create_chunk_list__()[0].sizes == torch.Size([6, 4])
+
+
 def test_a_refused_dcp_load_changes_nothing_and_a_retry_resumes(tmp_path: Path) -> None:
     """dcp.load fills copies (state_dict() hands out no live tensor) and load_state_dict checks them
     before it copies them in: a checkpoint of another strategy is refused with the master weights,
