@@ -639,17 +639,18 @@ def _group_value(where: str, live: Any, saved: Any) -> Any:
     """A param group's saved value (as JSON holds it) checked against this optimizer's ``live``
     one and made its kind: a number stays a number, a flag (bool or None: ``foreach``) a flag,
     a string a string, a one-element tensor a tensor of its shape, dtype and device, a tuple a
-    tuple of as many; CheckpointError naming the key otherwise (before anything changes)."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    tuple of as many; CheckpointError naming the key otherwise (before anything changes). A NaN
+    or infinite number where this optimizer's is finite is refused too (JSON holds them)."""
+    def number(v: Any, like: float) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and (math.isfinite(v) or not math.isfinite(like))
     if isinstance(live, torch.Tensor):
-        if live.numel() == 1 and number(saved):
+        if live.numel() == 1 and number(saved, live.item()):
             return torch.full_like(live, saved)
     elif live is None or isinstance(live, bool):
         if saved is None or isinstance(saved, bool):
             return saved
-    elif number(live):
-        if number(saved):
+    elif isinstance(live, (int, float)):
+        if number(saved, live):
             return saved
     elif isinstance(live, str):
         if isinstance(saved, str):

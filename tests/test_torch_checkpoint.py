@@ -254,6 +254,7 @@ def test_a_bad_param_group_value_is_refused_with_nothing_changed_and_a_retry_res
                             (with_group(betas=[0.9]), "'betas' is \\[0.9\\]"),
                             (with_group(weight_decay=True), "'weight_decay' is True"),
                             (with_group(amsgrad=0.5), "'amsgrad' is 0.5"),
+                            (with_group(eps=float("nan")), "'eps' is nan"),
                             (with_group(lr=1e-2, nesterov=True), "has \\['nesterov'\\], which this AdamW does not")]:
             with pytest.raises(lg.CheckpointError, match=needle):
                 r.opt.load_state_dict(bad)
