@@ -31,7 +31,7 @@ Checkpoints: :meth:`ShardOptimizer.state_dict` is everything lowgrad holds for a
 ``torch.distributed.checkpoint`` ``Stateful`` whose sharded tensors DCP reshards at any world);
 :func:`save_checkpoint` / :func:`load_checkpoint` write and read it in lowgrad's own crash-safe
 format (:mod:`lowgrad.checkpoint`). Model weights loaded after the optimizer exists take effect
-(the master weights follow them at the next step).
+(the master weights follow them at the next step, state_dict or save_checkpoint).
 
 Misuse raises: a block that produced no gradient, or only part of its gradients, in a micro-step
 (at the end of the ``with``), gradients of blocks out of backward order, a parameter shared
@@ -497,7 +497,37 @@ class ShardRows(torch.Tensor):
         return (f"ShardRows(rows [{self.start}, {self.start + self.local.shape[0]}) of {tuple(self.global_shape)}, "
                 f"{self.local!r})")
 
+    def clone(self, *args: Any, **kwargs: Any) -> ShardRows:
+        """A copy that still says where its rows belong (a plain tensor would not: a load refuses it)."""
+        return ShardRows(self.local.clone(*args, **kwargs), self.global_shape, self.start)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardRows:  # copy.deepcopy(state_dict) keeps it one too
+        memo[id(self)] = out = self.clone()
+        return out
+
+    def _check_process_group(self) -> None:
+        """DCP writes and reads each rank's rows as its own chunk only where a process group of
+        the run's ranks exists: without one every rank is "rank 0" of a world of 1 and writes the
+        same file and ``.metadata`` (the last writer wins: a checkpoint of one rank's rows, and a
+        load that fills every rank's rows from it without a word). The rows are one of ``parts``
+        equal parts of the parameter (how ShardOptimizer splits it), so the group must have that
+        world and this part's rank."""
+        rows = self.local.shape[0] if self.local.dim() else 0
+        if not rows or rows == self.global_shape[0]:
+            return  # the whole parameter: any process (world 1) writes and reads it whole
+        parts, part = self.global_shape[0] // rows, self.start // rows
+        import torch.distributed as dist
+        found = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+        if found != (parts, part):
+            raise RuntimeError(
+                f"lowgrad.torch.ShardRows: dcp.save / dcp.load of a rank's rows (rank {part} of {parts}) needs a "
+                f"torch.distributed process group of the run's ranks; found "
+                f"{'none' if found is None else f'rank {found[1]} of {found[0]}'}. lowgrad's launchers start "
+                "none: call torch.distributed.init_process_group('gloo', rank=comm.rank, world_size=comm.world, "
+                "...) first (docs/torch.md), or use lowgrad.torch.save_checkpoint / load_checkpoint")
+
     def _chunk(self) -> Any:
+        self._check_process_group()
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         offsets = torch.Size([self.start] + [0] * (len(self.global_shape) - 1))
         return ChunkStorageMetadata(offsets=offsets, sizes=self.local.size())
@@ -518,6 +548,11 @@ class ShardRows(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save keeps what it is: the rows and their place
         return ShardRows, (self.local, tuple(self.global_shape), self.start)
+
+
+# torch.load's default (weights_only=True) loads a torch.save of a state dict: the class rebuilds
+# from a tensor, a tuple of ints and an int, and runs no other code
+torch.serialization.add_safe_globals([ShardRows])
 
 
 def _local(t: Any) -> Any:
@@ -564,7 +599,9 @@ def save_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> 
     checksummed, loadable at any world by :func:`load_checkpoint`. A collective, between steps;
     ``path`` must not exist. The model's buffers and anything else of the run are the caller's to
     save (``torch.save(model.state_dict(), ...)`` from one rank)."""
-    state = optimizer.state_dict()
+    optimizer._check_between_steps("save_checkpoint")
+    optimizer._follow_module()  # weights loaded into the model since the optimizer last wrote it are saved
+    state = optimizer._state(copy=False)  # _as_rows copies the live tensors to the host
     return checkpoint.save(path, optimizer.attached.gm, _as_rows(state), {"optimizer": state["optimizer"]})
 
 
@@ -572,20 +609,57 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> 
     """Load a :func:`save_checkpoint` saved at any world into ``optimizer`` (and its manager, and
     the module's trainable parameters, which get the master weights): this rank's rows read from
     whichever ranks' files hold them, every byte checked first; CheckpointError on every rank
-    (naming the file and what is wrong) for a missing, half-written, truncated, corrupted or
-    foreign checkpoint, with nothing changed. A collective, between steps."""
-    live = optimizer.state_dict()
-    # the optimizer first (its class, master_weights): a clearer refusal than the arrays' dtypes
-    saved = checkpoint.read_manifest(path)["meta"].get("optimizer")
-    try:
-        optimizer._check_optimizer(saved)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    (naming the rank, the file and what is wrong) for a missing, half-written, truncated,
+    corrupted or foreign checkpoint, with nothing changed. A collective, between steps."""
+    optimizer._check_between_steps("load_checkpoint")
+    live = optimizer._state(copy=False)
+
+    def saved_optimizer() -> Any:
+        # the optimizer first (its class, master_weights): a clearer refusal than the arrays' dtypes
+        saved = checkpoint.read_manifest(path)["meta"].get("optimizer")
+        try:
+            optimizer._check_optimizer(saved)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        return saved
+    # every rank's verdict: a manifest one rank cannot read is refused on all (none waits in a collective)
+    saved = checkpoint.agree(optimizer.attached.gm.comm, saved_optimizer, f"load {path}")
     found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live, data=False))
-    state = {key: _from_numpy(found.arrays[key], _local(v)) if isinstance(v, torch.Tensor) else v
-             for key, v in live.items()}
+    state: dict[str, Any] = {}
+    for key, v in live.items():
+        if isinstance(v, torch.Tensor):
+            t = _from_numpy(found.arrays[key], _local(v))
+            v = ShardRows(t, v.global_shape, v.start) if isinstance(v, ShardRows) else t
+        state[key] = v
     state["manager"], state["optimizer"] = found.manager.portable(), saved
     optimizer.load_state_dict(state)
+
+
+def _group_value(where: str, live: Any, saved: Any) -> Any:
+    """A param group's saved value (as JSON holds it) checked against this optimizer's ``live``
+    one and made its kind: a number stays a number, a flag (bool or None: ``foreach``) a flag,
+    a string a string, a one-element tensor a tensor of its shape, dtype and device, a tuple a
+    tuple of as many; CheckpointError naming the key otherwise (before anything changes). A NaN
+    or infinite number where this optimizer's is finite is refused too (JSON holds them)."""
+    def number(v: Any, like: float) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and (math.isfinite(v) or not math.isfinite(like))
+    if isinstance(live, torch.Tensor):
+        if live.numel() == 1 and number(saved, live.item()):
+            return torch.full_like(live, saved)
+    elif live is None or isinstance(live, bool):
+        if saved is None or isinstance(saved, bool):
+            return saved
+    elif isinstance(live, (int, float)):
+        if number(saved, live):
+            return saved
+    elif isinstance(live, str):
+        if isinstance(saved, str):
+            return saved
+    elif isinstance(live, (tuple, list)):
+        if isinstance(saved, list) and len(saved) == len(live):  # JSON made the tuple a list
+            return type(live)(_group_value(f"{where}[{i}]", a, b) for i, (a, b) in enumerate(zip(live, saved)))
+    raise CheckpointError(f"{where} is {saved!r}, which is not a value of this optimizer's kind "
+                          f"({type(live).__name__} {live!r})")
 
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -648,6 +722,7 @@ class ShardOptimizer:
         #: the module's name of each parameter, in the order of :attr:`params` (the checkpoint's keys)
         self.names = [full[id(p)] for p in self._module_params]
         self._versions = self._module_versions()  # see _follow_module
+        self._fresh: list[dict[str, tuple[torch.Size, torch.dtype, torch.device]]] | None = None  # _fresh_state
         # the all-gather after each step: parameters packed in order into buckets of the biggest
         # parameter's size, each bucket one grouped NCCL launch (not one launch per parameter)
         biggest = max(p.numel() for p in self._module_params)
@@ -750,14 +825,16 @@ class ShardOptimizer:
         """Whether a completed step's gradients wait for :meth:`step` (they are in no checkpoint)."""
         return self.attached.gm.step != (self._first_step if self._stepped is None else self._stepped)
 
-    def _init_state(self) -> None:
-        """The optimizer's state created before its first step, as its fresh state (zeros), so that
-        a state dict has every key from the start (a template for ``dcp.load``): one step with zero
-        gradients at lr 0 (as torch.distributed.checkpoint.state_dict does), then the parameters
-        restored and every state tensor zeroed (AdamW's first step from zeros is its first step
-        from nothing, bit for bit)."""
-        if all(p in self.optimizer.state for p in self.params):
-            return
+    def _fresh_state(self) -> list[dict[str, tuple[torch.Size, torch.dtype, torch.device]]]:
+        """Shape, dtype and device of each state tensor the optimizer's first step creates, per
+        parameter (the template of a state dict before that step). Found by the optimizer's own
+        lazy init: one step with zero gradients at lr 0 (as torch.distributed.checkpoint.state_dict
+        does), after which everything it touched is put back (the parameters' bits, the lr objects)
+        and the state it made is removed, so the optimizer is as if it never ran: its real first
+        step initializes its state as its class does (NAdam's ``mu_product`` 1, Rprop's
+        ``step_size`` lr, SGD's first momentum without dampening), not from a template."""
+        if self._fresh is not None:
+            return self._fresh
         saved = [p.detach().clone() for p in self.params]
         lrs = [g.get("lr") for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
@@ -767,6 +844,8 @@ class ShardOptimizer:
             p.grad = torch.zeros_like(p)
         try:
             self.optimizer.step()
+            self._fresh = [{k: (v.shape, v.dtype, v.device) for k, v in self.optimizer.state[p].items()
+                            if isinstance(v, torch.Tensor)} for p in self.params]
         finally:
             for g, lr in zip(self.optimizer.param_groups, lrs):
                 if lr is not None:
@@ -775,122 +854,173 @@ class ShardOptimizer:
                 for p, was in zip(self.params, saved):
                     p.grad = None
                     p.copy_(was)
-                for st in self.optimizer.state.values():
-                    for v in st.values():
-                        if isinstance(v, torch.Tensor):
-                            v.zero_()
+                    self.optimizer.state.pop(p, None)
+        return self._fresh
+
+    def _has_state(self) -> bool:
+        """Whether the optimizer holds state (each step updates every parameter: all or none;
+        some classes, Adagrad, make theirs at construction)."""
+        return all(p in self.optimizer.state for p in self.params)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything lowgrad holds for this rank, between steps (after :meth:`step`): the
         manager's state (``"manager"``: strategy, rounding, base seed, step), the optimizer's
-        (``"optimizer"``: class, ``master_weights``, ``skipped_steps``, its param groups' hyper-
-        parameters as JSON), and tensors: ``"master.<parameter name>"`` (this rank's rows of the
-        master weights, or of the module where ``master_weights=False``) and ``"state.<parameter
-        name>.<key>"`` (the optimizer's state: ``exp_avg``, ``exp_avg_sq``, ``step`` for AdamW).
-        Row-sharded tensors are :class:`ShardRows` (this rank's rows and where they sit in the
-        whole parameter), which ``torch.distributed.checkpoint`` saves and reshards like DTensor
-        shards; the others are the same on every rank. The tensors are the live ones (as
-        ``torch.optim.Optimizer.state_dict`` returns): clone them to keep a copy. The optimizer's
-        state is created (zeros) if no step ran yet, so the dict is a template to load into.
-        ProtocolError inside a step, or when a completed step waits for :meth:`step`."""
+        (``"optimizer"``: class, ``master_weights``, ``skipped_steps``, ``has_state``, its param
+        groups' hyper-parameters as JSON), and tensors: ``"master.<parameter name>"`` (this rank's
+        rows of the master weights, or of the module where ``master_weights=False``) and
+        ``"state.<parameter name>.<key>"`` (the optimizer's state: ``exp_avg``, ``exp_avg_sq``,
+        ``step`` for AdamW). Row-sharded tensors are :class:`ShardRows` (this rank's rows and where
+        they sit in the whole parameter), which ``torch.distributed.checkpoint`` saves and reshards
+        like DTensor shards; the others are the same on every rank.
+
+        The tensors are copies on the CPU, never the live ones: ``dcp.load`` fills them and
+        :meth:`load_state_dict` checks them before it copies them in, so a refused load changes
+        nothing. Before the optimizer's first step (``has_state`` False) the state tensors are
+        zeros of the shapes that step makes (a template to load into; loading such a state leaves
+        the optimizer without state, as a fresh one). The master weights first follow module writes
+        made since the optimizer last wrote it (as :meth:`step` does: weights loaded into the
+        model after the optimizer was built are the ones saved). ProtocolError inside a step, or
+        when a completed step waits for :meth:`step`."""
+        self._check_between_steps("state_dict")
+        self._follow_module()
+        return self._state(copy=True)
+
+    def _check_between_steps(self, what: str) -> None:
         if self._pending():
-            raise ProtocolError(f"ShardOptimizer.state_dict: step {self.attached.gm.step - 1} completed but step() "
-                                "has not applied it: call step() first (a checkpoint holds no gradients)")
+            raise ProtocolError(f"ShardOptimizer.{what}: step {self.attached.gm.step - 1} completed but step() has "
+                                "not applied it: call step() first (a checkpoint holds no gradients), or load "
+                                "between steps")
+
+    def _state(self, copy: bool) -> dict[str, Any]:
+        """The state dict: tensors copied to the CPU (``copy``), else the live master weights and
+        state (templates on the state's device where the optimizer has no state yet)."""
         manager = ManagerState.parse(self.attached.gm.state_dict()).portable()
-        self._init_state()
+        has_state = self._has_state()
+        fresh = None if has_state else self._fresh_state()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         out: dict[str, Any] = {"manager": manager, "optimizer": {
             "class": type(self.optimizer).__qualname__, "master_weights": self.master_weights,
-            "skipped_steps": self.skipped_steps, "param_groups": json.dumps(groups, default=_json_scalar)}}
-        for name, p, master in zip(self.names, self._module_params, self.params):
+            "skipped_steps": self.skipped_steps, "has_state": has_state,
+            "param_groups": json.dumps(groups, default=_json_scalar)}}
+
+        def entry(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            v = v.detach().to("cpu", copy=True) if copy else v.detach()
             # a 0-d parameter is not split in rows: every rank holds it whole
-            out[f"master.{name}"] = ShardRows(master.detach(), p.shape, self._row_start(p)) if p.dim() \
-                else master.detach()
-            for key, v in self.optimizer.state[master].items():
-                if isinstance(v, torch.Tensor) and v.shape == master.shape and v.dim():
-                    v = ShardRows(v, p.shape, self._row_start(p))
-                out[f"state.{name}.{key}"] = v
+            return ShardRows(v, p.shape, self._row_start(p)) if v.shape == self._rows(p).shape and v.dim() else v
+
+        for i, (name, p, master) in enumerate(zip(self.names, self._module_params, self.params)):
+            out[f"master.{name}"] = entry(master, p)
+            if fresh is None:
+                items = [(k, v) for k, v in self.optimizer.state[master].items()]
+            else:
+                items = [(k, torch.zeros(shape, dtype=dtype, device="cpu" if copy else device))
+                         for k, (shape, dtype, device) in fresh[i].items()]
+            for key, v in items:
+                out[f"state.{name}.{key}"] = entry(v, p) if isinstance(v, torch.Tensor) else v
         return out
 
     def load_state_dict(self, state: Any) -> None:
         """Restore a :meth:`state_dict` saved at this rank and world (``torch.save``), or one that
         ``dcp.load`` filled in (any world: DCP reshards), or one :func:`load_checkpoint` read.
-        Everything is checked first (CheckpointError naming the entry: a key missing or unknown,
-        another optimizer class, a shape, dtype or row range that is not this rank's, a manager
-        of another strategy); then the manager's state, the master weights, the optimizer's state
-        and hyper-parameters are set, and the module gets the master weights (rounded; every
-        rank's rows all-gathered: a collective). Between steps."""
-        if not isinstance(state, dict):
-            raise TypeError(f"ShardOptimizer.load_state_dict: state must be a dict from state_dict(), got "
-                            f"{type(state).__name__}")
-        if self._pending():
-            raise ProtocolError("ShardOptimizer.load_state_dict: a completed step waits for step(): call step() "
-                                "first, or load between steps")
+        Everything is checked first, on every rank, and the verdict agreed (CheckpointError on
+        every rank naming the rank and the entry: not a dict, a key missing or unknown, another
+        optimizer class, a shape, dtype or row range that is not this rank's, a param-group value
+        of another kind than this optimizer's, a manager of another strategy), with nothing
+        changed; then the manager's state, the master weights, the optimizer's state and
+        hyper-parameters are set, and the module gets the master weights (rounded; every rank's
+        rows all-gathered: a collective). Between steps."""
+        self._check_between_steps("load_state_dict")
         gm = self.attached.gm
-        live = self.state_dict()  # the keys and live tensors to fill (ProtocolError inside a step)
+        live = self._state(copy=False)  # the keys, and the live tensors to fill
         # every rank's verdict before anything changes: a state refused on one rank is refused on all
-        saved, opt, groups, copies = checkpoint.agree(gm.comm, partial(self._check_state, state, live),
-                                                      "ShardOptimizer.load_state_dict")
+        saved, opt, groups, masters, states = checkpoint.agree(
+            gm.comm, partial(self._check_state, state, live), "ShardOptimizer.load_state_dict")
         # checked: from here on nothing fails but the collective
         gm.load_state_dict(saved.as_dict())
         with torch.no_grad():
-            for want, got in copies:
+            for want, got in masters:
                 if want.data_ptr() != got.data_ptr():
                     want.copy_(got)
-        for g, saved_group in zip(self.optimizer.param_groups, groups):
-            for k, v in saved_group.items():
-                if isinstance(g[k], torch.Tensor):  # a tensor lr stays a tensor (capturable, compiled steps)
-                    g[k].fill_(v)
-                else:
-                    g[k] = tuple(v) if isinstance(g[k], tuple) else v  # JSON made the betas a list
+            for master, loaded in zip(self.params, states):
+                if not opt["has_state"]:  # saved before its first step: fresh, as the saving run was
+                    self.optimizer.state.pop(master, None)
+                elif master in self.optimizer.state:
+                    for want, got in loaded.values():
+                        want.copy_(got)
+                else:  # no state here yet: the templates (on the state's device) become it
+                    self.optimizer.state[master] = {k: want.copy_(got) for k, (want, got) in loaded.items()}
+            for g, new in zip(self.optimizer.param_groups, groups):
+                for k, v in new.items():
+                    if isinstance(g[k], torch.Tensor):  # a tensor lr stays that tensor (capturable, compiled steps)
+                        g[k].copy_(v)
+                    else:
+                        g[k] = v
         self.skipped_steps, self.last_norm, self._stepped = opt["skipped_steps"], math.nan, gm.step
         self._publish()
 
-    def _check_state(self, state: dict[str, Any], live: dict[str, Any]
-                     ) -> tuple[ManagerState, dict[str, Any], list[dict[str, Any]], list[tuple[torch.Tensor, Any]]]:
+    def _check_state(self, state: Any, live: dict[str, Any]) -> tuple[
+            ManagerState, dict[str, Any], list[dict[str, Any]], list[tuple[torch.Tensor, torch.Tensor]],
+            list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
         """``state`` checked against this rank's ``live`` state dict: the manager's state placed here,
-        the optimizer entry, its param groups and the (live, loaded) tensor pairs to copy."""
+        the optimizer entry, the new param groups' values, the (live, loaded) master-weight pairs
+        and each parameter's optimizer-state pairs by key."""
+        where = "ShardOptimizer.load_state_dict"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where}: state must be a dict from state_dict(), got {type(state).__name__}")
         gm = self.attached.gm
         missing, unknown = live.keys() - state.keys(), state.keys() - live.keys()
         if missing or unknown:
-            raise CheckpointError(f"ShardOptimizer.load_state_dict: keys missing {sorted(missing)[:4]}, unknown "
+            raise CheckpointError(f"{where}: keys missing {sorted(missing)[:4]}, unknown "
                                   f"{sorted(unknown)[:4]} (another model or optimizer?)")
         try:
             saved = resume_state(state["manager"], gm)
         except (TypeError, ValueError) as e:
-            raise CheckpointError(f"ShardOptimizer.load_state_dict: 'manager': {e}") from None
+            raise CheckpointError(f"{where}: 'manager': {e}") from None
         opt, groups = self._check_optimizer(state["optimizer"])
-        copies: list[tuple[torch.Tensor, Any]] = []
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, want in live.items():
             if key in ("manager", "optimizer"):
                 continue
             got = state[key]
             if isinstance(want, ShardRows):
-                if isinstance(got, ShardRows) and (got.global_shape, got.start) != (want.global_shape, want.start):
-                    raise CheckpointError(f"ShardOptimizer.load_state_dict: {key!r} holds rows from {got.start} of "
+                if not isinstance(got, ShardRows):
+                    raise CheckpointError(f"{where}: {key!r} is a {type(got).__name__}, not the ShardRows of "
+                                          "state_dict(): which rows it holds is unknown (keep the ShardRows: "
+                                          "its clone() is one; load another world's state through dcp.load or "
+                                          "load_checkpoint, which reshard)")
+                if (got.global_shape, got.start) != (want.global_shape, want.start):
+                    raise CheckpointError(f"{where}: {key!r} holds rows from {got.start} of "
                                           f"{tuple(got.global_shape)}; this rank's are from {want.start} of "
                                           f"{tuple(want.global_shape)} (load another world's state through "
                                           "dcp.load or load_checkpoint, which reshard)")
-                got, want = _local(got), want.local
+                got, want = got.local, want.local
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
                 what = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
-                raise CheckpointError(f"ShardOptimizer.load_state_dict: {key!r} is {what}, this rank's is "
-                                      f"{want.dtype} {tuple(want.shape)}")
-            copies.append((want, got))
-        return saved, opt, groups, copies
+                raise CheckpointError(f"{where}: {key!r} is {what}, this rank's is {want.dtype} {tuple(want.shape)}")
+            pairs[key] = (want, got)
+        masters = [pairs[f"master.{name}"] for name in self.names]
+        has_state = self._has_state()  # the state keys of each parameter, as _state wrote them
+        states = [{k: pairs[f"state.{name}.{k}"]
+                   for k in (self.optimizer.state[master] if has_state else self._fresh_state()[i])}
+                  for i, (name, master) in enumerate(zip(self.names, self.params))]
+        return saved, opt, groups, masters, states
 
     def _check_optimizer(self, opt: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The ``"optimizer"`` entry checked against this optimizer, and its param groups."""
+        """The ``"optimizer"`` entry checked against this optimizer, and the values its param
+        groups are to get (each of the kind of this optimizer's: CheckpointError naming it)."""
         where = "ShardOptimizer.load_state_dict: 'optimizer'"
-        if not isinstance(opt, dict) or set(opt) != {"class", "master_weights", "skipped_steps", "param_groups"}:
+        keys = {"class", "master_weights", "skipped_steps", "has_state", "param_groups"}
+        if not isinstance(opt, dict) or set(opt) != keys:
             got = sorted(opt) if isinstance(opt, dict) else type(opt).__name__
-            raise CheckpointError(f"{where} is not a ShardOptimizer's ({got})")
+            raise CheckpointError(f"{where} is not a ShardOptimizer's ({got}; expected {sorted(keys)})")
         if opt["class"] != type(self.optimizer).__qualname__:
             raise CheckpointError(f"{where}: saved from {opt['class']}, this optimizer is "
                                   f"{type(self.optimizer).__qualname__}")
         if opt["master_weights"] is not self.master_weights:
             raise CheckpointError(f"{where}: saved with master_weights={opt['master_weights']}, this optimizer has "
                                   f"master_weights={self.master_weights}")
+        if not isinstance(opt["has_state"], bool):
+            raise CheckpointError(f"{where}: has_state {opt['has_state']!r} is not a bool")
         skipped = opt["skipped_steps"]
         if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
             raise CheckpointError(f"{where}: skipped_steps {skipped!r} is not a non-negative int")
@@ -899,11 +1029,18 @@ class ShardOptimizer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: param_groups is not JSON ({e})") from None
         mine = self.optimizer.param_groups
-        if not isinstance(groups, list) or len(groups) != len(mine) or not all(
-                isinstance(g, dict) and set(g) == set(m) - {"params"} for g, m in zip(groups, mine)):
-            raise CheckpointError(f"{where}: param_groups do not match this optimizer's (their number or keys)")
-        return opt, groups
-
+        if not isinstance(groups, list) or len(groups) != len(mine) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{where}: param_groups are not {len(mine)} group(s) of hyper-parameters")
+        new = []
+        for i, (g, m) in enumerate(zip(groups, mine)):
+            extra = set(g) - (set(m) - {"params"})
+            if extra:
+                raise CheckpointError(f"{where}: param group {i} has {sorted(extra)}, which this "
+                                      f"{type(self.optimizer).__qualname__} does not know (another optimizer or "
+                                      "torch version?)")
+            # a key this optimizer has and the saved group lacks (a newer torch's option) keeps its value
+            new.append({k: _group_value(f"{where}: param group {i} {k!r}", m[k], v) for k, v in g.items()})
+        return opt, new
     def _all_gather(self, bucket: list[tuple[torch.Tensor, int]]) -> None:
         """Every rank's updated rows of the bucket's parameters into every rank's parameters:
         each packed at its offset of the gather buffer, all gathered in place in one group."""

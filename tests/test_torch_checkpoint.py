@@ -8,6 +8,8 @@ effect (the master weights follow) and a reload of the same weights keeps the fl
 foreign and mismatched states are refused with nothing changed."""
 from __future__ import annotations
 
+import copy
+import json
 import os
 import subprocess
 import sys
@@ -69,11 +71,12 @@ class Run:
     """A rank's model, manager and ShardOptimizer(AdamW)."""
 
     def __init__(self, comm: Any, strategy: str = "scatter_reduce", offload: bool = False, seed: int = 0,
-                 master_weights: bool = True, optimizer: Any = None, device: str = "cpu") -> None:
+                 master_weights: bool = True, optimizer: Any = None, device: str = "cpu",
+                 opt_kw: dict[str, Any] | None = None) -> None:
         self.model = Net(seed).to(device)
         self.att = lt.attach(self.model, comm, strategy=strategy, offload=offload, seed=7)
-        self.opt = lt.ShardOptimizer(self.att, optimizer, master_weights=master_weights, lr=1e-2,
-                                     weight_decay=0.1)
+        self.opt = lt.ShardOptimizer(self.att, optimizer, master_weights=master_weights,
+                                     **(opt_kw or {"lr": 1e-2, "weight_decay": 0.1}))
 
     def train(self, steps: range, max_norm: float | None = 1.0) -> None:
         for s in steps:
@@ -193,7 +196,8 @@ def test_save_checkpoint_loads_at_another_world(tmp_path: Path, saved: int, resu
 
     def by_hand(c: Any) -> dict[str, Any]:
         r = Run(c, strategy, offload, seed=1)
-        state = {k: mine(r, k) if k in full else v for k, v in snaps[0].items()
+        state = {k: lt.ShardRows(mine(r, k), full[k].shape, r.opt.rank * (full[k].shape[0] // r.opt.world))
+                 if k in full else v for k, v in snaps[0].items()
                  if k.startswith(("master.", "state.")) or k in ("manager", "optimizer")}
         r.opt.load_state_dict(state)
         r.train(range(2, 4))
@@ -212,15 +216,139 @@ def test_without_master_weights_a_resume_is_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_torch_save_of_the_state_dict_resumes_bit_for_bit_and_is_this_ranks(tmp_path: Path) -> None:
+    """docs/torch.md's route as written (torch.load's default weights_only=True), and a copy made
+    with clone() (the docstring's advice) keeps where its rows belong: another rank's is refused."""
+    def save(r: Run, c: Any) -> None:
+        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
+        cloned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in r.opt.state_dict().items()}
+        deep = copy.deepcopy(r.opt.state_dict())
+        for kept in (cloned["master.head.weight"], deep["master.head.weight"]):
+            assert isinstance(kept, lt.ShardRows) and kept.start == r.opt.rank * (V // 2), kept
+        torch.save(cloned, tmp_path / f"clone{c.rank}.pt")
+
     def load(r: Run, c: Any) -> None:
         before = r.snapshot()
-        other = torch.load(tmp_path / f"rank{1 - c.rank}.pt", weights_only=False)
-        with pytest.raises(lg.CheckpointError, match="this rank's are from"):
-            r.opt.load_state_dict(other)  # another rank's rows: refused, nothing changed
-        same(r.snapshot(), before)
-        r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt", weights_only=False))
+        for other in (torch.load(tmp_path / f"rank{1 - c.rank}.pt"), torch.load(tmp_path / f"clone{1 - c.rank}.pt")):
+            with pytest.raises(lg.CheckpointError, match="this rank's are from"):
+                r.opt.load_state_dict(other)  # another rank's rows: refused, nothing changed
+            same(r.snapshot(), before)
+        r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt"))
+
+    resumes_bit_for_bit(2, save, load)
+
+
+def test_a_bad_param_group_value_is_refused_with_nothing_changed_and_a_retry_resumes(tmp_path: Path) -> None:
+    """Each param-group value is checked against this optimizer's before anything changes
+    (CheckpointError naming the key); a key the saved group lacks (another torch version's
+    option) keeps this optimizer's value; the corrected retry resumes bit for bit."""
+    def load(r: Run, c: Any) -> None:
+        sd = torch.load(tmp_path / f"rank{c.rank}.pt")
+        before = r.snapshot()
+
+        def with_group(**change: Any) -> dict[str, Any]:
+            g = json.loads(sd["optimizer"]["param_groups"])
+            g[0].update(change)
+            return {**sd, "optimizer": {**sd["optimizer"], "param_groups": json.dumps([{k: v for k, v in g[0].items()
+                                                                                        if v != "drop"}])}}
+        for bad, needle in [(with_group(lr="oops"), "param group 0 'lr' is 'oops'"),
+                            (with_group(betas=[0.9]), "'betas' is \\[0.9\\]"),
+                            (with_group(weight_decay=True), "'weight_decay' is True"),
+                            (with_group(amsgrad=0.5), "'amsgrad' is 0.5"),
+                            (with_group(eps=float("nan")), "'eps' is nan"),
+                            (with_group(lr=1e-2, nesterov=True), "has \\['nesterov'\\], which this AdamW does not")]:
+            with pytest.raises(lg.CheckpointError, match=needle):
+                r.opt.load_state_dict(bad)
+            same(r.snapshot(), before)
+            assert r.att.gm.step == 0
+        r.opt.optimizer.param_groups[0]["maximize"] = False
+        r.opt.load_state_dict(with_group(maximize="drop"))  # missing from the saved group: this one's kept
+        assert r.opt.optimizer.param_groups[0]["maximize"] is False
 
     resumes_bit_for_bit(2, lambda r, c: torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt"), load)
+
+
+@pytest.mark.parametrize(("cls", "kw"), [(torch.optim.NAdam, {"lr": 1e-2}), (torch.optim.Rprop, {"lr": 1e-2}),
+                                         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+                                         (torch.optim.AdamW, {"lr": 1e-2})])
+def test_a_state_dict_before_the_first_step_changes_nothing_and_resumes(tmp_path: Path, cls: Any,
+                                                                        kw: dict[str, Any]) -> None:
+    """state_dict() before the optimizer's first step (a template for dcp.load) leaves the run
+    bit for bit the run that never called it (the optimizer's state is made by its own first
+    step: NAdam's mu_product 1, Rprop's step_size lr, SGD's undampened first momentum), and a
+    state saved then resumes bit for bit."""
+    def job(call: bool, c: Any) -> dict[str, Any]:
+        r = Run(c, optimizer=cls, opt_kw=kw)
+        if call:
+            sd = r.opt.state_dict()
+            assert sd["optimizer"]["has_state"] is False and any(k.startswith("state.") for k in sd)
+        r.train(range(3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    for a, b in zip(threads(2, partial(job, False)), threads(2, partial(job, True))):
+        same(a, b)
+    resumes_bit_for_bit(2, lambda r, c: lt.save_checkpoint(tmp_path / "ck", r.opt),
+                        lambda r, c: lt.load_checkpoint(tmp_path / "ck", r.opt), optimizer=cls, opt_kw=kw)
+
+
+def test_a_state_saved_before_the_first_step_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """has_state False: loading it leaves the optimizer without state, as the saving run's (a
+    NAdam run loaded over one that had stepped then trains as the fresh run)."""
+    kw = {"lr": 1e-2}
+
+    def saved_fresh(c: Any) -> None:
+        r = Run(c, optimizer=torch.optim.NAdam, opt_kw=kw)
+        lt.save_checkpoint(tmp_path / "ck0", r.opt)
+        r.close()
+
+    def resumed(c: Any) -> dict[str, Any]:
+        r = Run(c, optimizer=torch.optim.NAdam, opt_kw=kw)
+        r.train(range(2))  # state made, then replaced by the fresh checkpoint's
+        lt.load_checkpoint(tmp_path / "ck0", r.opt)
+        assert not r.opt.optimizer.state and r.att.gm.step == 0
+        r.train(range(3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    def straight(c: Any) -> dict[str, Any]:
+        r = Run(c, optimizer=torch.optim.NAdam, opt_kw=kw)
+        r.train(range(3))
+        out = r.snapshot()
+        r.close()
+        return out
+
+    threads(2, saved_fresh)
+    for a, b in zip(threads(2, straight), threads(2, resumed)):
+        same(a, b)
+
+
+def test_weights_loaded_into_the_model_before_a_save_are_saved(tmp_path: Path) -> None:
+    """model.load_state_dict after the optimizer was built, then a save before any step: the saved
+    master weights are the loaded ones (state_dict and save_checkpoint follow the module first)."""
+    pretrained = {k: v.clone() for k, v in Net(seed=5).state_dict().items()}
+
+    def save(c: Any) -> None:
+        r = Run(c)
+        r.model.load_state_dict(pretrained)
+        lt.save_checkpoint(tmp_path / "ck", r.opt)
+        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
+        r.close()
+
+    def load(native: bool, c: Any) -> None:
+        r = Run(c, seed=1)
+        if native:
+            lt.load_checkpoint(tmp_path / "ck", r.opt)
+        else:
+            r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt"))
+        for n, p in r.model.named_parameters():
+            assert torch.equal(p.detach(), pretrained[n]), n
+        r.close()
+
+    threads(2, save)
+    threads(2, partial(load, True))
+    threads(2, partial(load, False))
 
 
 def test_model_weights_loaded_after_the_optimizer_take_effect(tmp_path: Path) -> None:
@@ -299,12 +427,15 @@ def test_foreign_states_are_refused_with_nothing_changed(tmp_path: Path) -> None
     check(lambda c: Run(c, master_weights=False), "master_weights=True")
     check(lambda c: Run(c, optimizer=torch.optim.Adam), "saved from AdamW")
     sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    head = sd["master.head.weight"]
 
     def job(c: Any) -> None:
         r = Run(c)
         before = r.snapshot()
         for bad, needle in [({k: v for k, v in sd.items() if k != "master.head.weight"}, "keys missing"),
-                            ({**sd, "master.head.weight": sd["master.head.weight"].local[:6]}, "this rank's is"),
+                            ({**sd, "master.head.weight": lt.ShardRows(head.local[:6], head.global_shape, 0)},
+                             "this rank's is"),
+                            ({**sd, "master.head.weight": head.local.clone()}, "not the ShardRows"),
                             ({**sd, "manager": {**sd["manager"], "strategy": "unsharded"}}, "'unsharded' does not"),
                             ({**sd, "optimizer": {**sd["optimizer"], "skipped_steps": -1}}, "skipped_steps")]:
             with pytest.raises(lg.CheckpointError, match=needle):
@@ -350,6 +481,109 @@ def test_dcp_save_and_load_in_one_process_resume_bit_for_bit(tmp_path: Path) -> 
 
     def load(r: Run, c: Any) -> None:
         dcp.load({"model": r.model.state_dict(), "lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+
+    with pytest.warns(UserWarning, match="single process"):
+        resumes_bit_for_bit(1, save, load)
+
+
+def test_checks_that_fail_on_one_rank_are_refused_on_all(tmp_path: Path) -> None:
+    """A manifest only rank 1 cannot read, a state only rank 1 is handed that is no dict: both
+    ranks raise CheckpointError naming rank 1 (neither waits in a collective), nothing changed,
+    and the corrected call loads."""
+    def first(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        lt.save_checkpoint(tmp_path / "ck", r.opt)
+        torch.save(r.opt.state_dict(), tmp_path / f"rank{c.rank}.pt")
+        r.close()
+
+    def job(c: Any) -> None:
+        r = Run(c, seed=1)
+        before = r.snapshot()
+        with pytest.raises(lg.CheckpointError, match="rank 1: CheckpointError: .*manifest.json is missing"):
+            lt.load_checkpoint(tmp_path / ("ck" if c.rank == 0 else "nowhere"), r.opt)
+        with pytest.raises(lg.CheckpointError, match="rank 1: TypeError: .*must be a dict"):
+            r.opt.load_state_dict(torch.load(tmp_path / f"rank{c.rank}.pt") if c.rank == 0 else [1])
+        same(r.snapshot(), before)
+        lt.load_checkpoint(tmp_path / "ck", r.opt)
+        assert r.att.gm.step == 2
+        r.close()
+
+    threads(2, first)
+    lg.run_threads(2, job, backend="host", timeout=20)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_without_a_process_group_is_refused_at_world_2(tmp_path: Path) -> None:
+    """Without a torch.distributed process group every rank would write the same file and
+    .metadata (the last writer wins) and a load would fill every rank from it: dcp.save and
+    dcp.load refuse, naming what is needed, and nothing is written or changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    def job(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        before = r.snapshot()
+        with pytest.raises(CheckpointException, match="needs a torch.distributed process group"):
+            dcp.save({"lowgrad": r.opt}, checkpoint_id=tmp_path / f"dcp{c.rank}")
+        assert not (tmp_path / f"dcp{c.rank}" / ".metadata").exists()
+        with pytest.raises(CheckpointException, match="needs a torch.distributed process group"):
+            dcp.load({"lowgrad": r.opt}, checkpoint_id=tmp_path / "one")
+        same(r.snapshot(), before)
+        r.close()
+
+    def one(c: Any) -> None:
+        r = Run(c)
+        r.train(range(2))
+        dcp.save({"lowgrad": r.opt}, checkpoint_id=tmp_path / "one", no_dist=True)
+        r.close()
+
+    threads(1, one)
+    threads(2, job)
+
+
+def test_dcp_with_a_process_group_of_another_rank_or_world_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows must be the group's rank's part: rank 0's rows under a group's rank 1, or under a
+    world of 3, are refused; a group of their world and rank describes them; whole rows need none."""
+    import torch.distributed as dist
+    rows = lt.ShardRows(torch.zeros(3, 4), (6, 4), 0)  # rank 0 of 2
+    group: list[int] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(group))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: group[0])
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: group[1])
+    for world, rank, found in [(2, 1, "found rank 1 of 2"), (3, 0, "found rank 0 of 3")]:
+        group[:] = [world, rank]
+        with pytest.raises(RuntimeError, match=f"rank 0 of 2\\) needs a torch.distributed process group.*{found}"):
+            rows.__create_chunk_list__()
+    group[:] = [2, 0]
+    assert rows.__create_chunk_list__()[0].offsets == torch.Size([0, 0])
+    group[:] = []
+    assert lt.ShardRows(torch.zeros(6, 4), (6, 4), 0).__create_chunk_list__()[0].sizes == torch.Size([6, 4])
+
+
+def test_a_refused_dcp_load_changes_nothing_and_a_retry_resumes(tmp_path: Path) -> None:
+    """dcp.load fills copies (state_dict() hands out no live tensor) and load_state_dict checks them
+    before it copies them in: a checkpoint of another strategy is refused with the master weights,
+    moments and manager untouched, and the right one then resumes bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    def save(r: Run, c: Any) -> None:
+        dcp.save({"lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+        r2 = Run(c, "all_to_all")
+        r2.train(range(3))
+        dcp.save({"lowgrad": r2.opt}, checkpoint_id=tmp_path / "foreign", no_dist=True)
+        r2.close()
+
+    def load(r: Run, c: Any) -> None:
+        r.train(range(1))
+        micro_batches(r.att, r.model, 1)
+        r.opt.step()
+        before = r.snapshot()
+        with pytest.raises(lg.CheckpointError, match="strategy 'all_to_all' does not match"):
+            dcp.load({"lowgrad": r.opt}, checkpoint_id=tmp_path / "foreign", no_dist=True)
+        same(r.snapshot(), before)
+        dcp.load({"lowgrad": r.opt}, checkpoint_id=tmp_path / "dcp", no_dist=True)
 
     with pytest.warns(UserWarning, match="single process"):
         resumes_bit_for_bit(1, save, load)
