@@ -911,7 +911,7 @@ class ShardOptimizer:
         for i, (name, p, master) in enumerate(zip(self.names, self._module_params, self.params)):
             out[f"master.{name}"] = entry(master, p)
             if fresh is None:
-                items = [(k, v) for k, v in self.optimizer.state[master].items()]
+                items = list(self.optimizer.state[master].items())
             else:
                 items = [(k, torch.zeros(shape, dtype=dtype, device="cpu" if copy else device))
                          for k, (shape, dtype, device) in fresh[i].items()]

@@ -472,7 +472,6 @@ class Communicator(GpuCommBase):
         try:
             if self._state != "open":
                 return
-            self._free_scratch()
             self.device.activate()
             with self._lock:
                 with self._call(None):

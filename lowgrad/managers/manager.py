@@ -116,8 +116,6 @@ class GradientManager:
         self._graph_hooks = self._capture.hooks  # what a graph calls (through the capture)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
-        #: the statistics (``stats=True``): allocated at the first micro-step 0 for its step's
-        #: micro-step count, and again when a step has more (between steps)
         self._alloc_non_block()
         self._ctx = StrategyContext(layout, comm, self.dtype, self.rounding, offload, self._inline, self.comm_stream,
                                     self._comm_handle, self._counter, self._record, self._wait, self._join,

@@ -170,10 +170,6 @@ class Watchdog:
             if self._failure is not None:
                 return  # aborted: nothing more to watch
 
-    def stop(self) -> None:
-        """Ask the thread to end (never blocks: safe from a finalizer's release)."""
-        self._stop.set()
-
     def close(self) -> None:
         """Stop the thread and wait for it (idempotent; from the watchdog's own thread, an
         ``abort`` callback, it only stops it)."""

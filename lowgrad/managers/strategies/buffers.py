@@ -38,10 +38,12 @@ class AlternatingBuffers:
 
     def bind(self, target: StatsTarget | None) -> None:
         """Each rank's own gradient, measured before the exchange changes it (world > 1)."""
-        rows = None if target is None or target[1].local != "micro" else target[1]
-        self.local = [ops.bind_grad_stats(self.of(l), target[0], rows.layer_columns(l), rows.local_row,
-                                          per_micro=True)
-                      for l in range(self.ctx.layout.num_layers)] if target is not None and rows is not None else []
+        if target is None or target[1].local != "micro":
+            self.local = []
+            return
+        sink, rows = target
+        self.local = [ops.bind_grad_stats(self.of(l), sink, rows.layer_columns(l), rows.local_row, per_micro=True)
+                      for l in range(self.ctx.layout.num_layers)]
 
     def measure(self, layer: int) -> None:
         """Queue the local measurement of ``layer`` on the communication stream (where bound)."""

@@ -123,6 +123,7 @@ class Hierarchical(Strategy):
         self.own = [[[shard_view(v, self.g, G) for v in vs] for vs in buf] for buf in self.slices]
         self.pieces = [[[shard_view(a, k, N) for k in range(N)] for a in acc] for acc in self.acc]
         self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
+        self.stage_own = [[shard_view(st, self.n, N) for st in stage] for stage in self.stage]  # piece n of each
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
 
     def bind(self, target: StatsTarget | None) -> None:
@@ -185,8 +186,8 @@ class Hierarchical(Strategy):
         for stage, acc in zip(self.stage[b], self.acc[layer]):
             ops.copy_on_cores(stage, acc, h)
         ctx.reduce_scatter_all(self.stage[b], comm=self.cross)
-        for stage, piece in zip(self.stage[b], self.final[layer].tensors()):
-            ops.copy_on_cores(piece, shard_view(stage, self.n, self.N), h)
+        for own, piece in zip(self.stage_own[b], self.final[layer].tensors()):
+            ops.copy_on_cores(piece, own, h)
 
     def block_shard(self, layer: int) -> Container:
         """Chunk ``rank`` of W of each tensor: piece ``n`` of the accumulator."""
