@@ -939,8 +939,7 @@ class ShardOptimizer:
         gm.load_state_dict(saved.as_dict())
         with torch.no_grad():
             for want, got in masters:
-                if want.data_ptr() != got.data_ptr():
-                    want.copy_(got)
+                want.copy_(got)
             for master, loaded in zip(self.params, states):
                 if not opt["has_state"]:  # saved before its first step: fresh, as the saving run was
                     self.optimizer.state.pop(master, None)
@@ -1041,6 +1040,7 @@ class ShardOptimizer:
             # a key this optimizer has and the saved group lacks (a newer torch's option) keeps its value
             new.append({k: _group_value(f"{where}: param group {i} {k!r}", m[k], v) for k, v in g.items()})
         return opt, new
+
     def _all_gather(self, bucket: list[tuple[torch.Tensor, int]]) -> None:
         """Every rank's updated rows of the bucket's parameters into every rank's parameters:
         each packed at its offset of the gather buffer, all gathered in place in one group."""
