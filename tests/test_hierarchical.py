@@ -12,6 +12,7 @@ import pytest
 from test_managers import bf16_grad, drive, reference, ulp
 
 import lowgrad as lg
+from lowgrad.contracts.communicator import all_to_all_skip, all_to_all_source
 from lowgrad.sr import reference as sr_ref
 from lowgrad.sr.seedcounter import ld_shift
 
@@ -65,6 +66,58 @@ def expected(layout: lg.Layout, world: int, G: int, micro: int, seed: int, round
     return out
 
 
+def fold(dst: np.ndarray, parts: dict[int, np.ndarray], me: int, size: int, scale: float, seed: int,
+         index: int) -> np.ndarray:
+    """A SumExchange's result for rank ``me`` of a group of ``size``: ``reduce_sr`` of the peers'
+    ``parts`` (by their rank in the group) as the all-to-all leaves them in the slots, into ``dst``."""
+    skip = all_to_all_skip(me, size)
+    src = np.zeros((size, dst.size), dst.dtype)
+    for slot in range(size):
+        if slot != skip:
+            src[slot] = parts[all_to_all_source(me, size, slot)]
+    return sr_ref.reduce_sr(dst, src.reshape(-1), size, skip, scale, True, seed, index)
+
+
+def expected_sr(layout: lg.Layout, world: int, G: int, micro: int, seed: int,
+                step: int = 0) -> list[dict[str, np.ndarray]]:
+    """Every rank's block shards under ``rounding="sr"``, whose exchanges add in float32 and round
+    once with SR: per micro-step each rank's own chunks ``k*G + g`` into its accumulator pieces (a
+    copy at micro-step 0, an SR add after, phase 0), then the node's peers' chunks, in the slot
+    order the all-to-all leaves them (:func:`all_to_all_source`), added in float32 and rounded once
+    (phase 1; node n's noise); at the last micro-step the other nodes' pieces ``n`` the same way
+    into piece ``n``, scaled by 1/world (the noise of index ``N * numel`` on)."""
+    N = world // G
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    for layer in range(layout.num_layers):
+        for i, s in enumerate(layout.block):
+            c = s.numel // world
+            grads = [[bf16_grad(r, m, layer, i, s.shape, step).reshape(-1).astype(ml_dtypes.bfloat16)
+                      for m in range(micro)] for r in range(world)]
+            acc: dict[tuple[int, int, int], np.ndarray] = {}  # (node, index in it, piece) -> piece
+            for m in range(micro):
+                last = m == micro - 1
+                for n in range(N):
+                    for g in range(G):
+                        for k in range(N):
+                            sl = slice((k * G + g) * c, (k * G + g + 1) * c)
+                            own, idx = grads[n * G + g][m][sl], n * s.numel + (k * G + g) * c
+                            p = own.copy() if m == 0 else sr_ref.add_sr(
+                                acc[n, g, k], own, 1.0, lg.use_seed(seed, step, m, layer, i, 0), idx)
+                            if G > 1:
+                                peers = {h: grads[n * G + h][m][sl] for h in range(G) if h != g}
+                                p = fold(p, peers, g, G, 1.0 / world if last and N == 1 else 1.0,
+                                         lg.use_seed(seed, step, m, layer, i, 1), idx)
+                            acc[n, g, k] = p
+            for r in range(world):
+                n, g = divmod(r, G)
+                shard = acc[n, g, n]
+                if N > 1:
+                    shard = fold(shard, {h: acc[h, g, n] for h in range(N) if h != n}, n, N, 1.0 / world,
+                                 lg.use_seed(seed, step, micro - 1, layer, i, 1), N * s.numel + r * c)
+                out[r][f"{layer}.{s.name}"] = shard.astype(np.float64).reshape((s.shape[0] // world,) + s.shape[1:])
+    return out
+
+
 def run(world: int, G: int, offload: bool, micro: int, rounding: str = "ldsr", seed: int = 0,
         **kw: Any) -> list[dict[str, np.ndarray]]:
     layout = small_layout()
@@ -97,8 +150,36 @@ def test_bit_identical_to_the_reference(world: int, G: int, offload: bool) -> No
 @pytest.mark.parametrize("micro", [1, 2])
 def test_every_rounding_and_micro_step_count(rounding: str, micro: int) -> None:
     got = run(4, 2, False, micro, rounding=rounding, seed=5)
-    want = expected(small_layout(), 4, 2, micro, 5, rounding)
+    want = (expected_sr(small_layout(), 4, 2, micro, 5) if rounding == "sr"
+            else expected(small_layout(), 4, 2, micro, 5, rounding))
     assert all(np.array_equal(got[r][k], w) for r in range(4) for k, w in want[r].items())
+
+
+@pytest.mark.parametrize("world,G", [*SHAPES, (4, 4), (8, 8), (8, 1)])
+@pytest.mark.parametrize("offload", [False, True])
+def test_sr_exchanges_bit_identical_to_the_reference(world: int, G: int, offload: bool) -> None:
+    """Under "sr" every exchange is an all-to-all summed in float32 and rounded once with SR:
+    the bits of :func:`expected_sr` at every node shape, one node and one rank per node included,
+    with and without offload (the pieces summed into in pinned memory)."""
+    got = run(world, G, offload, 3, rounding="sr", seed=7)
+    want = expected_sr(small_layout(), world, G, 3, 7)
+    for r in range(world):
+        for key, w in want[r].items():
+            assert np.array_equal(got[r][key], w), (world, G, r, key)
+
+
+def test_sr_on_one_node_is_all_to_all() -> None:
+    """One node under "sr": the exchange of all_to_all, with its noise, bit for bit (blocks and
+    non-block gradients)."""
+    layout = small_layout()
+
+    def job(strategy: str, **kw: Any) -> list[dict[str, np.ndarray]]:
+        def fn(c: Any) -> dict[str, np.ndarray]:
+            with lg.create_gradient_manager(layout, c, strategy=strategy, rounding="sr", seed=3, **kw) as gm:
+                return drive(c, layout, strategy, False, 3, gm=gm, gfun=bf16_grad)
+        return lg.run_threads(4, fn)
+    a2a, hier = job("all_to_all"), job("hierarchical", group_size=4)
+    assert all(np.array_equal(a2a[r][k], hier[r][k]) for r in range(4) for k in a2a[r])
 
 
 def test_one_node_is_scatter_reduce_and_one_gpu_per_node_is_close() -> None:

@@ -52,6 +52,7 @@ from lowgrad.buffers import capture
 from lowgrad.buffers.streams import StreamLike, stream_handle
 from lowgrad.buffers.tensor import Container, Tensor, shard_view
 from lowgrad.diagnostics.report import StepStats
+from lowgrad.managers.exchange import NonBlockExchange
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import Capture, CaptureContext
@@ -122,6 +123,10 @@ class GradientManager:
                                     lambda: self._protocol, self._group_done, self._comm_done)
         self._strategy: Strategy = cls(self._ctx, **options)
         try:
+            #: the step's exchange of the non-block gradients, through the strategy's nodes
+            self._nb_exchange = NonBlockExchange(comm, self._strategy.groups(), self._nb_list, self._counter,
+                                                 self._strategy.unbiased_exchange(), self.comm_stream,
+                                                 self._comm_handle, self._group_done)
             #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
             self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
                                                             self._nb_list, self._wait, self._comm_done, self._state)) \
@@ -384,8 +389,7 @@ class GradientManager:
                 ops.fill_zero(t, self.comm_stream)
         if self._statistics is not None and self._statistics.nb_local is not None:
             self._statistics.nb_local(self._comm_handle)
-        if self.world > 1:  # world 1: the mean is the gradient
-            self._ctx.reduce_scatter_all(self._nb_list)
+        self._nb_exchange()  # world 1: nothing (the mean is the gradient)
         self._record(self._nb_done, self.comm_stream)
 
     def non_block_shard(self, name: str, stream: StreamLike) -> Tensor:
@@ -501,7 +505,8 @@ class GradientManager:
         if self._closed:
             return
         self._closed = True
-        for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor, self._norm):
+        for t in (*self._nb_full.values(), *self._nb_exchange.owned(), *self._strategy.owned(), self._counter.tensor,
+                  self._norm):
             t.close()
         self._strategy.close()
         if self._statistics is not None:
@@ -536,8 +541,8 @@ class GradientManager:
     def _graph_allocations(self) -> tuple[Any, ...]:
         rows = self._stats_rows()
         stats = () if rows is None else (rows,)
-        return tuple(t.allocation for t in (*self._nb_full.values(), *self._strategy.owned(), self._counter.tensor,
-                                            self._norm, *stats))
+        return tuple(t.allocation for t in (*self._nb_full.values(), *self._nb_exchange.owned(),
+                                            *self._strategy.owned(), self._counter.tensor, self._norm, *stats))
 
     def __enter__(self) -> GradientManager:
         return self

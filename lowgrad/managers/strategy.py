@@ -48,6 +48,7 @@ from lowgrad.base.dtypes import DType
 from lowgrad.buffers.streams import StreamLike
 from lowgrad.buffers.tensor import Container, Tensor
 from lowgrad.contracts.kernels import StatsSink
+from lowgrad.managers.exchange import NodeGroups, reduce_scatter_all
 from lowgrad.managers.layout import Layout, ParamSpec
 from lowgrad.managers.protocol import MicroStepState
 from lowgrad.managers.stats import StatsRows
@@ -134,11 +135,7 @@ class StrategyContext:
         """In-place reduce-scatter (``op``, average by default) of every tensor over ``comm`` (the
         manager's by default), as one group on the communication stream: one launch for a layer
         instead of one per tensor."""
-        comm = self.comm if comm is None else comm
-        if tensors:
-            with comm.group(self.comm_stream, event=self.group_done):
-                for t in tensors:
-                    comm.reduce_scatter(t, op=op, stream=self.comm_stream)
+        reduce_scatter_all(self.comm if comm is None else comm, tensors, self.comm_stream, self.group_done, op)
 
 
 class Strategy(ABC):
@@ -149,6 +146,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     default_rounding: ClassVar[str | None] = DEFAULT_ROUNDING
+    ctx: StrategyContext
 
     @classmethod
     def check(cls, comm: Any, offload: bool, **options: Any) -> dict[str, Any]:
@@ -208,6 +206,17 @@ class Strategy(ABC):
     @abstractmethod
     def owned(self) -> list[Tensor]:
         """The block tensors this strategy allocated (the manager frees them at close)."""
+
+    def groups(self) -> NodeGroups:
+        """How the ranks sit on nodes, for the exchanges outside the blocks (the non-block
+        gradients): one node, unless the strategy knows the nodes."""
+        return NodeGroups.one_node(self.ctx.comm)
+
+    def unbiased_exchange(self) -> bool:
+        """Whether every exchange of this strategy adds in float32 and rounds once with SR (the
+        manager's ``rounding="sr"``), so that its sums are unbiased: then the non-block gradients
+        are exchanged so too."""
+        return False
 
     def events(self) -> list[Any]:
         """The strategy's events later calls wait on (re-recorded after a capture and a replay)."""

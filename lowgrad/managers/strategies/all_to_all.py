@@ -1,13 +1,13 @@
 """The ``all_to_all`` strategy: the buffers and shards of ``scatter_reduce``, another exchange.
 At ``notify`` the own slice is added into the shard first (phase 0), then the destructive
 all-to-all brings every peer's slice for this rank into the other slots of the buffer, and
-``reduce_sr`` folds them into the shard (phase 1), dividing by ``world`` on the last micro-step.
+``reduce_sr`` folds them into the shard (phase 1), dividing by ``world`` on the last micro-step
+(:class:`~lowgrad.managers.exchange.SumExchange`): the peers' slices are added in float32 and
+rounded once, so that under ``rounding="sr"`` the sum is unbiased.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lowgrad import ops
+from lowgrad.managers.exchange import SumExchange
 from lowgrad.managers.strategies.scatter_reduce import ScatterReduce
 from lowgrad.managers.strategy import StatsTarget
 
@@ -19,22 +19,21 @@ class AllToAll(ScatterReduce):
         # at world > 1 no kernel holds the reduced gradient of a micro-step
         return self.ctx.world == 1, "micro"
 
+    def unbiased_exchange(self) -> bool:
+        return self.ctx.rounding == "sr"
+
     def bind(self, target: StatsTarget | None) -> None:
         super().bind(target)
         ctx = self.ctx
         W = ctx.world
-        skip = (ctx.rank + W - 1) % W
-        self.red: list[list[list[Callable[[int], None]]]] = [
-            [[ops.bind_reduce_sr(sh, full, W, skip, scale, True, ctx.shard_offset(spec), (ctx.counter, l, 2 * i + 1))
-              for scale in (1.0, 1.0 / W)]
-             for i, (sh, full, spec) in enumerate(zip(self.shard_tensors[l], self.buffers[l % 2], ctx.layout.block))]
-            for l in range(ctx.layout.num_layers)] if W > 1 else []
+        self.sums = [SumExchange(ctx.comm, ctx.counter, l,
+                                 [(sh, full, ctx.shard_offset(spec), 2 * i + 1) for i, (sh, full, spec) in
+                                  enumerate(zip(self.shard_tensors[l], self.buffers[l % 2], ctx.layout.block))],
+                                 (1.0, 1.0 / W))
+                     for l in range(ctx.layout.num_layers)] if W > 1 else []
 
     def exchange(self, layer: int) -> None:
         ctx = self.ctx
         self.add_own(layer)  # consumes the own slot before the exchange
         if ctx.world > 1:  # world 1: no peers, the own slice is the whole mean
-            last = int(ctx.last)
-            ctx.comm.all_to_all_many(self.buffers[layer % 2], stream=ctx.comm_stream)  # in W-1 steps
-            for red in self.red[layer]:
-                red[last](ctx.comm_handle)
+            self.sums[layer].run(ctx.comm_handle, ctx.comm_stream, int(ctx.last))  # in W-1 steps

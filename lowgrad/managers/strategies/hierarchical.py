@@ -50,6 +50,7 @@ from lowgrad import ops
 from lowgrad.base.integers import integer
 from lowgrad.buffers.streams import StreamLike
 from lowgrad.buffers.tensor import Container, Tensor, shard_view
+from lowgrad.managers.exchange import NodeGroups, SumExchange
 from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 
@@ -86,24 +87,33 @@ class Hierarchical(Strategy):
 
     def stats_kinds(self) -> tuple[bool, str | None]:
         # the micro-step rows: the mean over every rank of a micro-step, only held on one node
-        return self.N == 1, "micro"
+        # where the node's exchange rounds it before the accumulation adds it
+        return self.N == 1 and not (self.unbiased and self.G > 1), "micro"
+
+    def unbiased_exchange(self) -> bool:
+        return self.unbiased
+
+    def groups(self) -> NodeGroups:
+        return NodeGroups(self.node, self.cross, self.G, self.N, self.n, self.g)
 
     def __init__(self, ctx: StrategyContext, group_size: int) -> None:
         self.ctx = ctx
         G, W, rank = group_size, ctx.world, ctx.rank
         self.G, self.N = G, W // G
         self.n, self.g = divmod(rank, G)
+        #: every exchange adds in float32 and rounds once with SR (SumExchange), or reduce-scatters
+        self.unbiased = ctx.rounding == "sr"
         # collectives over every rank, in the same order on each; one node (G = W) or one rank
         # per node (G = 1) is the manager's communicator itself
         self.split: list[Any] = []
         try:
             for color in ((self.n, self.g) if 1 < G < W else ()):
                 self.split.append(ctx.comm.split(color))
+            self.node, self.cross = self.split if self.split else (ctx.comm, ctx.comm)
             self.allocate(group_size)
         except BaseException:  # nothing left behind: a failed manager is not closed
             self.close()
             raise
-        self.node, self.cross = self.split if self.split else (ctx.comm, ctx.comm)
         self.add: list[Callable[[int], None]] = []
         self.bind(None)
 
@@ -125,6 +135,27 @@ class Hierarchical(Strategy):
         self.stage = [[shard_view(t, 0, G) for t in buf] for buf in self.buffers]  # offload: 1/G of device memory
         self.stage_own = [[shard_view(st, self.n, N) for st in stage] for stage in self.stage]  # piece n of each
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
+        self.node_sums, self.cross_sums = (self.sum_exchanges() if self.unbiased else ([], []))
+
+    def sum_exchanges(self) -> tuple[list[SumExchange], list[SumExchange]]:
+        """Per layer, the unbiased exchanges (phase 1): within the node, the peers' chunks ``k*G +
+        g`` of each slice into piece k (node n's noise, as the adds'; scaled by 1/W on the last
+        micro-step where there is one node); across the nodes, the staged pieces of the other
+        nodes into piece n, scaled by 1/W, with the noise of the element indices shifted by
+        ``N * numel`` (no node's index)."""
+        ctx, G, N, W = self.ctx, self.G, self.N, self.ctx.world
+        L, block = ctx.layout.num_layers, ctx.layout.block
+        node = [SumExchange(self.node, ctx.counter, l,
+                            [(p, v, self.n * s.numel + ctx.shard_offset(s, k * G + self.g), 2 * i + 1)
+                             for i, (s, ps, vs) in enumerate(zip(block, self.pieces[l], self.slices[l % 2]))
+                             for k, (p, v) in enumerate(zip(ps, vs))], (1.0, 1.0 / W))
+                for l in range(L)] if G > 1 else []
+        cross = [SumExchange(self.cross, ctx.counter, l,
+                             [(ps[self.n], st, N * s.numel + ctx.shard_offset(s), 2 * i + 1)
+                              for i, (s, ps, st) in enumerate(zip(block, self.pieces[l], self.stage[l % 2]))],
+                             (1.0 / W,))
+                 for l in range(L)] if N > 1 else []
+        return node, cross
 
     def bind(self, target: StatsTarget | None) -> None:
         """The SR adds of the node's chunks into the accumulator pieces and the local
@@ -133,7 +164,7 @@ class Hierarchical(Strategy):
         the same chunks, and with one noise their rounding errors would add up coherently across
         the nodes instead of averaging out; node 0 keeps the index of ``scatter_reduce``."""
         ctx, G, N = self.ctx, self.G, self.N
-        micro = N == 1 and target is not None and target[1].micro
+        micro = self.stats_kinds()[0] and target is not None and target[1].micro
         lanes = [2 * i for i, _ in enumerate(ctx.layout.block) for _ in range(N)]  # phase 0
 
         def items(l: int) -> list[tuple[Tensor, Tensor, Tensor, int]]:
@@ -162,29 +193,43 @@ class Hierarchical(Strategy):
     def notify(self, layer: int, stream: StreamLike) -> None:
         ctx = self.ctx
         ctx.join(stream)
-        h, b = ctx.comm_handle, layer % 2
+        b = layer % 2
         self.full_buffers.measure(layer)
-        if self.G > 1:  # one rank per node: its gradient is the node's mean
-            ctx.reduce_scatter_all(self.node_slices[b], comm=self.node)
-        if ctx.first:
+        if self.unbiased:  # the own chunks first: the all-to-all overwrites them
+            self.add_own(layer)
+            if self.node_sums:  # one rank per node: its gradient is the node's sum
+                self.node_sums[layer].run(ctx.comm_handle, ctx.comm_stream, int(ctx.last and self.N == 1))
+        else:
+            if self.G > 1:  # one rank per node: its gradient is the node's mean
+                ctx.reduce_scatter_all(self.node_slices[b], comm=self.node)
+            self.add_own(layer)
+        if ctx.last and self.N > 1:  # one node: the node's mean is the mean
+            self.cross_nodes(layer)
+        self.full_buffers.release(layer)
+
+    def add_own(self, layer: int) -> None:
+        """This rank's chunks ``k*G + g`` of the buffer into the accumulator's pieces: a copy on
+        micro-step 0, SR adds (phase 0) after."""
+        h, b = self.ctx.comm_handle, layer % 2
+        if self.ctx.first:
             for ps, owns in zip(self.pieces[layer], self.own[b]):
                 for p, own in zip(ps, owns):
                     ops.copy_on_cores(p, own, h)
         elif self.add:
             self.add[layer](h)
-        if ctx.last and self.N > 1:  # one node: the node's mean is the mean
-            self.cross_nodes(layer)
-        self.full_buffers.release(layer)
 
     def cross_nodes(self, layer: int) -> None:
         """Piece ``n`` of the accumulator := the mean over the nodes of piece ``n``."""
         ctx, b = self.ctx, layer % 2
-        if not ctx.offload:
+        if not ctx.offload and not self.unbiased:
             ctx.reduce_scatter_all(self.acc[layer], comm=self.cross)
             return
         h = ctx.comm_handle  # the buffer's node slices were consumed by the adds above: reuse it
         for stage, acc in zip(self.stage[b], self.acc[layer]):
             ops.copy_on_cores(stage, acc, h)
+        if self.unbiased:  # piece n stays in place: the sum goes into it
+            self.cross_sums[layer].run(h, ctx.comm_stream)
+            return
         ctx.reduce_scatter_all(self.stage[b], comm=self.cross)
         for own, piece in zip(self.stage_own[b], self.final[layer].tensors()):
             ops.copy_on_cores(piece, own, h)
