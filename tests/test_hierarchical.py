@@ -259,21 +259,26 @@ def two_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("rounding", [None, "sr"])
 @pytest.mark.parametrize("fault", [(0, "before", -1), (1, "fetched", 0), (2, "non_block", 1), (2, "end", -1)],
                          ids=lambda f: f"m{f[0]}-{f[1]}{f[2]}")
-def test_discard_step_poisons_every_rank_and_leaves_no_trace(two_nodes: None, offload: bool,
+def test_discard_step_poisons_every_rank_and_leaves_no_trace(two_nodes: None, offload: bool, rounding: str | None,
                                                              fault: tuple[int, str, int]) -> None:
     from test_manager_faults import check_faulted, faulted_and_clean
-    check_faulted(*faulted_and_clean(4, "hierarchical", offload, fault), fault)
+    check_faulted(*faulted_and_clean(4, "hierarchical", offload, fault, rounding=rounding), fault)
 
 
-def test_statistics_local_rows_and_the_step(two_nodes: None) -> None:
+@pytest.mark.parametrize("rounding,group_size", [(None, "2"), ("sr", "2"), ("sr", "4")])
+def test_statistics_local_rows_and_the_step(monkeypatch: pytest.MonkeyPatch, rounding: str | None,
+                                            group_size: str) -> None:
     """Each rank's own gradient per micro-step and the step's shards; the micro-step rows (the
-    mean over every rank of a micro-step) are measured nowhere across two nodes."""
+    mean over every rank of a micro-step) are measured nowhere across two nodes, nor under "sr"
+    on one node (the all-to-all's sum holds no micro-step's mean)."""
     from test_manager_stats import M, columns, ranks_stats, sq
     from test_managers import small_layout as stats_layout  # the layout ranks_stats drives
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", group_size)
     block = stats_layout().block
-    results = ranks_stats(4, "hierarchical", False)
+    results = ranks_stats(4, "hierarchical", False, rounding=rounding)
     stats = results[0][1]
     assert stats.micro is None and stats.local is not None
     for r, (shards, _) in enumerate(results):

@@ -77,14 +77,14 @@ FAULTS = [(0, "before", -1), (0, "fetched", 2), (0, "notified", 1), (1, "non_blo
 
 
 def faulted_and_clean(world: int, strategy: str, offload: bool, fault: tuple[int, str, int], M: int = 3,
-                      **threads: Any) -> tuple[list[Any], list[Any]]:
+                      rounding: str | None = None, **threads: Any) -> tuple[list[Any], list[Any]]:
     """Per rank of a faulted run (rank 0 faults at ``fault`` in step 0 and discards; its peers
     run the step normally) and of a clean run: the shards after step 0, after step 1, and the
     norm after step 0."""
     layout = small_layout()
 
     def job(comm: Any, faulty: bool) -> tuple[dict[str, np.ndarray], ...]:
-        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=5)
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, seed=5, rounding=rounding)
         s = comm.device.stream()
         if faulty and comm.rank == 0:
             with pytest.raises(Fault):

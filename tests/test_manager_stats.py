@@ -16,13 +16,14 @@ from lowgrad.managers import ProtocolError
 M = 3
 
 
-def ranks_stats(world: int, strategy: str, offload: bool, gfun: Any = bf16_grad, steps: int = 2
-                ) -> list[tuple[dict[str, np.ndarray], StepStats]]:
+def ranks_stats(world: int, strategy: str, offload: bool, gfun: Any = bf16_grad, steps: int = 2,
+                rounding: str | None = None) -> list[tuple[dict[str, np.ndarray], StepStats]]:
     """Each rank's shards and step statistics after ``steps`` steps of M micro-steps."""
     layout = small_layout()
 
     def job(comm: Any) -> tuple[dict[str, np.ndarray], StepStats]:
-        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, stats=True)
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy, offload=offload, stats=True,
+                                        rounding=rounding)
         for step in range(steps):
             shards = drive(comm, layout, strategy, offload, M, gm=gm, first_step=step, gfun=gfun)
             stats = gm.step_stats()
