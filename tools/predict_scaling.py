@@ -13,10 +13,14 @@ timeline follows docs/protocol.md: two block buffers (the engine runs at most on
 the exchange) and the engine waits for all traffic at the end of every micro-step. Every
 assumption is printed with the number it predicts, for the first multi-GPU run to check.
 
-Across nodes (``--nodes``, ``--gpus-per-node``, ``--inter-node-gbps``): scatter_reduce's ring
-spanning the nodes at the inter-node link's rate every micro-step, against the hierarchical
-strategy's reduce-scatter within the node every micro-step and one across the nodes, of 1/G of the
-layer, at the last.
+Across nodes (``--nodes``, ``--gpus-per-node``, and the link between nodes per GPU,
+``--inter-node-gbps``, or per node, ``--inter-node-gbps-per-node``; ``--rounding``): every collective
+of a step of each strategy (:func:`hops`: the blocks' exchanges, within the node and across, the
+non-block gradients', the global norm's all-reduce and ShardOptimizer's parameter all-gather) with
+the bytes a rank sends within its node and to other nodes (a ring in rank order crosses a node
+boundary once per node; an all-to-all sends every peer its slot) and its time at the rate of the
+link that limits it. tests/test_predict_scaling.py checks these byte formulas against the bytes
+counted on the host backend through a wrapped communicator.
 
     PYTHONPATH=. python3 tools/predict_scaling.py --json $OUT/predict_scaling.json
 """
@@ -130,8 +134,15 @@ class Config:
     host_dram_gbps: float = HOST_DRAM_GBPS
     nccl_sms: int = NCCL_SMS
     nccl_host_us: float = NCCL_HOST_US
-    inter_node_gbps: float = INTER_NODE_GBPS
+    inter_node_gbps: float = INTER_NODE_GBPS  # per GPU (its NIC), each way
     gpus_per_node: int = GPUS_PER_NODE
+    inter_node_node_gbps: float | None = None  # per node, each way: the node's GPUs share it (else G x per GPU)
+    rounding: str = "ldsr"  # the managers' rounding: "sr" exchanges through all-to-alls where it is unbiased
+
+    def node_gbps(self) -> float:
+        """The bandwidth between a node and the others, each way, all its GPUs together."""
+        return self.gpus_per_node * self.inter_node_gbps if self.inter_node_node_gbps is None \
+            else self.inter_node_node_gbps
 
 
 def label(strategy: str, offload: bool) -> str:
@@ -353,33 +364,128 @@ def predict_bench(layout: lg.Layout, strategy: str, offload: bool, world: int, m
     return nb + max(pipe, L * (b + (0.0 if offload else s)))
 
 
-# ---- across nodes: scatter_reduce against hierarchical -----------------------------------------
+# ---- across nodes: every exchange of a step, its bytes by link and its time ------------------
+@dataclass(frozen=True)
+class Hop:
+    """One kind of collective of a step: ``part`` (``block``, ``non_block``, ``params``: the
+    ShardOptimizer's all-gather of the updated parameters, ``norm``: the global norm's all-reduce),
+    ``kind`` (``ring``: a reduce-scatter or an all-gather, ``all_reduce``, ``all_to_all``: the
+    destructive all-to-all of :class:`lowgrad.managers.exchange.SumExchange`), the bytes of the
+    buffer one call exchanges (per layer for the blocks), over ``ranks`` ranks of which
+    ``per_node`` share a node (``ranks``: one node, 1: one per node), ``calls`` times per step
+    (per layer for the blocks) at ``when`` (``micro``: every micro-step, ``last``: the last one,
+    ``step``: once, after the backward)."""
+
+    part: str
+    kind: str
+    nbytes: float
+    ranks: int
+    per_node: int
+    calls: int
+    when: str
+
+    def bytes(self) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes one rank sends per call, the mean over the ranks. A ring
+        in rank order sends ``(P-1)/P`` of the buffer from each rank to the next; where it spans
+        nodes, the last rank of each node sends across (``nodes`` of the P ranks). An all-to-all
+        sends each of the ``P-1`` peers its slot, ``P - per_node`` of them on other nodes."""
+        P, G = self.ranks, self.per_node
+        if P == 1:
+            return 0.0, 0.0
+        if self.kind == "all_to_all":
+            slot = self.nbytes / P
+            return (G - 1) * slot, (P - G) * slot
+        total = self.nbytes * (P - 1) / P * (2 if self.kind == "all_reduce" else 1)
+        inter = total * (P // G) / P if G < P else 0.0
+        return total - inter, inter
+
+    def ms(self, cfg: Config) -> float:
+        """One call: latency per launch (``P-1`` for an all-to-all) + its bytes at the rate of the
+        link that limits it: within a node the ring's bus bandwidth or the one-way P2P rate;
+        across nodes the node's share of the inter-node link (``G`` GPUs' bytes through the
+        node's bandwidth) or, for a ring spanning nodes, min(bus bandwidth, the node's link)."""
+        P, lat = self.ranks, cfg.latency_us * 1e-3
+        if P == 1:
+            return 0.0
+        intra, inter = self.bytes()
+        node = cfg.node_gbps() * 1e6  # bytes per ms
+        if self.kind == "all_to_all":
+            return (P - 1) * lat + max(intra / (cfg.p2p_gbps * 1e6), inter * cfg.gpus_per_node / node)
+        if self.per_node == 1:  # every hop crosses: each rank's share of its node's link
+            return lat + inter * cfg.gpus_per_node / node
+        rate = cfg.rs_busbw_gbps * 1e6 if self.per_node == P else min(cfg.rs_busbw_gbps * 1e6, node)
+        return lat + (intra + inter) / rate
+
+
+def exchange_kind(unbiased: bool) -> str:
+    return "all_to_all" if unbiased else "ring"
+
+
+def hops(layout: lg.Layout, strategy: str, world: int, G: int, cfg: Config) -> list[Hop]:
+    """Every collective of one step of ``strategy`` at ``world`` ranks, ``G`` per node, under
+    ``cfg.rounding`` (``"sr"``: all_to_all's non-block gradients and hierarchical's every exchange
+    through all-to-alls summed in float32), and ``cfg.params``'s parameter all-gather."""
+    M, L, S = cfg.micro_steps, layout.num_layers, layer_bytes(layout)
+    N, sr = world // G, cfg.rounding == "sr"
+    nb = 2 * layout.non_block_numel
+    out = []
+    if strategy == "hierarchical":
+        out += [Hop("block", exchange_kind(sr), S, G, G, M * L, "micro"),
+                Hop("block", exchange_kind(sr), S / G, N, 1, L, "last")]
+    else:
+        kind = "all_to_all" if strategy == "all_to_all" else "ring"
+        out.append(Hop("block", kind, S, world, G, L if strategy == "unsharded" else M * L,
+                       "last" if strategy == "unsharded" else "micro"))
+    if strategy == "hierarchical" and 1 < G < world:
+        out += [Hop("non_block", exchange_kind(sr), nb, G, G, 1, "step"),
+                Hop("non_block", exchange_kind(sr), nb / G, N, 1, 1, "step")]
+    else:
+        out.append(Hop("non_block", exchange_kind(sr and strategy in ("all_to_all", "hierarchical")), nb, world, G, 1,
+                       "step"))
+    out.append(Hop("norm", "all_reduce", 4, world, G, 1, "step"))
+    out.append(Hop("params", "ring", 2 * layout.total_numel, world, G, 1, "step"))
+    return out
+
+
+def step_bytes(hop_list: list[Hop]) -> dict[str, dict[str, float]]:
+    """Per part, the intra- and inter-node bytes a rank sends per step (mean over the ranks)."""
+    out: dict[str, dict[str, float]] = {}
+    for h in hop_list:
+        intra, inter = h.bytes()
+        d = out.setdefault(h.part, {"intra": 0.0, "inter": 0.0})
+        d["intra"] += intra * h.calls
+        d["inter"] += inter * h.calls
+    return out
+
+
 def multi_node(model: str, layout: lg.Layout, nodes: int, m: Measured, cfg: Config) -> list[dict[str, Any]]:
-    """Per layer of ``model`` on ``nodes`` nodes of ``cfg.gpus_per_node`` GPUs: the exchange and SR
-    of a middle and of the last micro-step, their mean over a step, and the bytes a rank's NIC
-    sends to other nodes per step, for scatter_reduce (a ring over all W ranks every micro-step, at
-    min(NVLink bus bandwidth, G x the per-GPU inter-node rate) where it spans nodes: (W-1)/W of the
-    layer leaves each node, a 1/G share through each NIC) and hierarchical (the node's
-    reduce-scatter at the NVLink rate every micro-step into a 1/G accumulator; the reduce-scatter of
-    that 1/G among the N ranks of one local index, each over its own NIC, at the last micro-step
-    only)."""
+    """Per strategy, ``model`` on ``nodes`` nodes of ``cfg.gpus_per_node`` GPUs: the exchange and SR
+    of one layer in a middle and in the last micro-step and their mean over a step; the non-block
+    exchange and the parameter all-gather of the step (exposed: after the backward, and after the
+    optimizer); the bytes a rank sends per step, by part and link (:func:`hops`); the block
+    accumulator per layer."""
     G, M, S = cfg.gpus_per_node, cfg.micro_steps, layer_bytes(layout)
     W = G * nodes
     layout.check_world(W)
-    b, lat = backward_ms(layout, cfg), cfg.latency_us * 1e-3
-    span = replace(cfg, rs_busbw_gbps=min(cfg.rs_busbw_gbps, G * cfg.inter_node_gbps)) if nodes > 1 else cfg
-    ring = reduce_scatter_ms(S, W, span) + add_sr_ms(3 * S / W, m)
-    inter = 0.0 if nodes == 1 else lat + S / G * (nodes - 1) / nodes / (cfg.inter_node_gbps * 1e6)
-    node = reduce_scatter_ms(S, G, cfg) + add_sr_ms(3 * S / G, m)
+    b = backward_ms(layout, cfg)
     out = []
-    for strategy, middle, last, wire, acc in (
-            ("scatter_reduce", ring, ring, M * S * (W - 1) / W / G if nodes > 1 else 0.0, S / W),
-            ("hierarchical", node, node + inter, S / G * (nodes - 1) / nodes, S / G)):
-        mean = ((M - 1) * middle + last) / M
+    for strategy in ("unsharded", "scatter_reduce", "all_to_all", "hierarchical"):
+        hs = hops(layout, strategy, W, G, cfg)
+        block = [h for h in hs if h.part == "block"]
+        share = W if strategy != "hierarchical" else G  # the accumulator: 1/W, or 1/G of the layer
+        sr = 0.0 if strategy == "unsharded" else add_sr_ms(3 * S / share, m)
+        if strategy == "all_to_all":
+            sr += reduce_sr_ms(layout, W, m)
+        middle = sum(h.ms(cfg) for h in block if h.when == "micro") + sr
+        last = middle + sum(h.ms(cfg) for h in block if h.when == "last")
+        by_part = step_bytes(hs)
         out.append({"model": model, "strategy": strategy, "nodes": nodes, "gpus_per_node": G, "world": W,
-                    "middle_ms": middle, "last_ms": last, "mean_ms": mean, "backward_ms": b,
-                    "hidden_last": min(1.0, b / last), "inter_node_bytes_per_step": wire,
-                    "accumulator_bytes": acc})
+                    "rounding": cfg.rounding, "middle_ms": middle, "last_ms": last,
+                    "mean_ms": ((M - 1) * middle + last) / M, "backward_ms": b, "hidden_last": min(1.0, b / last),
+                    "non_block_ms": sum(h.ms(cfg) for h in hs if h.part == "non_block"),
+                    "params_ms": sum(h.ms(cfg) for h in hs if h.part == "params"),
+                    "bytes": by_part, "inter_node_bytes_per_step": sum(v["inter"] for v in by_part.values()),
+                    "accumulator_bytes": 0 if strategy == "unsharded" else S / share})
     return out
 
 
@@ -548,11 +654,14 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def multi_node_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = [f"{'model':<14}{'strategy':<16}{'nodes':>6}{'W':>4}{'middle ms':>11}{'last ms':>9}{'mean ms':>9}"
-           f"{'bwd ms':>8}{'inter-node MB/step':>20}{'acc MB':>8}"]
+           f"{'bwd ms':>8}{'nb ms':>8}{'params ms':>10}{'inter MB/step: block':>22}{'nb':>8}{'params':>8}"
+           f"{'acc MB':>8}"]
     for r in rows:
+        by = r["bytes"]
         out.append(f"{r['model']:<14}{r['strategy']:<16}{r['nodes']:>6}{r['world']:>4}{r['middle_ms']:>11.3f}"
-                   f"{r['last_ms']:>9.3f}{r['mean_ms']:>9.3f}{r['backward_ms']:>8.3f}"
-                   f"{r['inter_node_bytes_per_step'] / 1e6:>20.1f}{r['accumulator_bytes'] / 1e6:>8.1f}")
+                   f"{r['last_ms']:>9.3f}{r['mean_ms']:>9.3f}{r['backward_ms']:>8.3f}{r['non_block_ms']:>8.3f}"
+                   f"{r['params_ms']:>10.3f}{by['block']['inter'] / 1e6:>22.1f}{by['non_block']['inter'] / 1e6:>8.1f}"
+                   f"{by['params']['inter'] / 1e6:>8.1f}{r['accumulator_bytes'] / 1e6:>8.1f}")
     return out
 
 
@@ -582,17 +691,27 @@ def markdown(result: dict[str, Any], command: str) -> str:
     lines += [f"| {b['label']} | {b['world']} | {b['predicted_ms']:.3f} | "
               f"{'-' if b['measured_ms'] is None else format(b['measured_ms'], '.3f')} | {b['host_ms_gil_bound']:.2f} |"
               for b in result["bench_manager"]]
-    lines += ["", (f"Across nodes of {result['config']['gpus_per_node']} GPUs, "
-                   f"{result['config']['inter_node_gbps']:.0f} GB/s per GPU between nodes, per layer:"), "",
-              "| model | strategy | nodes | W | middle ms | last ms | mean ms | backward ms | inter-node MB/step | "
-              "accumulator MB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", f"Across nodes: {link_text(result['config'])}; per layer (block) and per step:", "",
+              "| model | strategy | nodes | W | middle ms | last ms | mean ms | backward ms | non-block ms | "
+              "params ms | inter-node MB/step: block | non-block | params | accumulator MB |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['model']} | {r['strategy']} | {r['nodes']} | {r['world']} | {r['middle_ms']:.3f} | "
-              f"{r['last_ms']:.3f} | {r['mean_ms']:.3f} | {r['backward_ms']:.3f} | "
-              f"{r['inter_node_bytes_per_step'] / 1e6:.1f} | {r['accumulator_bytes'] / 1e6:.1f} |"
-              for r in result["multi_node"]]
+              f"{r['last_ms']:.3f} | {r['mean_ms']:.3f} | {r['backward_ms']:.3f} | {r['non_block_ms']:.3f} | "
+              f"{r['params_ms']:.3f} | {r['bytes']['block']['inter'] / 1e6:.1f} | "
+              f"{r['bytes']['non_block']['inter'] / 1e6:.1f} | {r['bytes']['params']['inter'] / 1e6:.1f} | "
+              f"{r['accumulator_bytes'] / 1e6:.1f} |" for r in result["multi_node"]]
     lines += ["", "Assumptions that the first multi-GPU run can confirm or refute:", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(result["assumptions"], 1)]
     return "\n".join(lines) + "\n"
+
+
+def link_text(cfg: dict[str, Any]) -> str:
+    """The links between nodes, as the tables name them."""
+    G = cfg["gpus_per_node"]
+    per_node = cfg["inter_node_node_gbps"] if cfg["inter_node_node_gbps"] is not None else G * cfg["inter_node_gbps"]
+    given = "per node" if cfg["inter_node_node_gbps"] is not None else f"{cfg['inter_node_gbps']:.1f} GB/s per GPU"
+    return (f"nodes of {G} GPUs, {per_node:.1f} GB/s each way between a node and the others ({given}; "
+            f"{per_node / G:.2f} GB/s per GPU), rounding {cfg['rounding']!r}")
 
 
 def command_line(argv: list[str]) -> str:
@@ -627,8 +746,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-dram", type=float, default=d.host_dram_gbps, help="host DRAM GB/s shared by offload")
     p.add_argument("--nccl-sms", type=int, default=d.nccl_sms)
     p.add_argument("--nccl-host-us", type=float, default=d.nccl_host_us)
-    p.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
-                   help="per-GPU bandwidth between nodes, GB/s (the hierarchical strategy's slow link)")
+    link = p.add_mutually_exclusive_group()
+    link.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
+                      help="bandwidth between nodes per GPU (its NIC), GB/s each way (default: one 400 Gb/s NIC "
+                           "per GPU)")
+    link.add_argument("--inter-node-gbps-per-node", type=float, default=None,
+                      help="bandwidth between nodes per node, GB/s each way, shared by its GPUs")
+    p.add_argument("--rounding", choices=("ldsr", "sr", "rn"), default=d.rounding,
+                   help="the managers' rounding: under sr all_to_all's non-block gradients and hierarchical's every "
+                        "exchange go through all-to-alls")
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     p.add_argument("--nodes", default=",".join(map(str, NODES)), help="comma list of node counts (across nodes)")
     p.add_argument("--json", help=output_help("predict_scaling.json"))
@@ -642,8 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             int_list(1)(value)
         except argparse.ArgumentTypeError as exc:
             p.error(f"{opt}: {exc}")
-    if args.inter_node_gbps <= 0 or args.gpus_per_node < 1:
-        p.error("--inter-node-gbps must be > 0 and --gpus-per-node >= 1")
+    per_node = args.inter_node_gbps_per_node
+    if args.inter_node_gbps <= 0 or args.gpus_per_node < 1 or (per_node is not None and per_node <= 0):
+        p.error("--inter-node-gbps and --inter-node-gbps-per-node must be > 0 and --gpus-per-node >= 1")
     return args
 
 
@@ -651,7 +778,8 @@ def config_of(args: argparse.Namespace) -> Config:
     return replace(Config(), rs_busbw_gbps=args.rs_busbw, p2p_gbps=args.p2p, latency_us=args.latency_us,
                    peak_tflops=args.peak_tflops, mfu=args.mfu, tokens=args.tokens, micro_steps=args.micro_steps,
                    host_dram_gbps=args.host_dram, nccl_sms=args.nccl_sms, nccl_host_us=args.nccl_host_us,
-                   inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node)
+                   inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
+                   inter_node_node_gbps=args.inter_node_gbps_per_node, rounding=args.rounding)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -685,9 +813,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table_lines(result["rows"])))
     print(f"\ntools/bench_manager.py --world W ({m.bench_config}, synthetic copy engine, a middle micro-step):")
     print("\n".join(bench_lines(result["bench_manager"])))
-    print(f"\nacross nodes of {cfg.gpus_per_node} GPUs, {cfg.inter_node_gbps:.0f} GB/s per GPU between nodes; per "
-          "layer: exchange + SR of a middle and of the last micro-step, their mean over a step (ms), the bytes a "
-          "rank sends between nodes per step, the accumulator:")
+    print(f"\nacross nodes: {link_text(asdict(cfg))}; per layer: exchange + SR of a middle and of the last "
+          "micro-step, their mean over a step (ms); per step: the non-block exchange and the parameter all-gather "
+          "(ms), the bytes a rank sends between nodes (block, non-block, parameters; MB), the accumulator per layer:")
     print("\n".join(multi_node_lines(result["multi_node"])))
     print("\nassumptions that the first multi-GPU run can confirm or refute:")
     for i, a in enumerate(result["assumptions"], 1):
