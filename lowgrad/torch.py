@@ -59,6 +59,7 @@ import torch
 
 from lowgrad import checkpoint
 from lowgrad.base.errors import CheckpointError, NonFiniteGradientError, ProtocolError
+from lowgrad.buffers.dlpack import KDL_CPU, KDL_CUDA_HOST
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.layout import Layout, ParamSpec
@@ -425,7 +426,7 @@ class Attached:
         key = (t.ptr, t.shape, t.dtype.name)  # the shape, not the count: zero-size tensors share pointers
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = torch.from_dlpack(t).reshape(t.shape)
+            v = self._views[key] = _from_lowgrad(t).reshape(t.shape)
         return v
 
     def current_stream(self) -> Any:
@@ -453,6 +454,15 @@ def _attached_to(p: torch.Tensor) -> Attached | None:
 
 def _torch_dtype(gm: Any) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[gm.dtype.name]
+
+
+def _from_lowgrad(t: Any) -> torch.Tensor:
+    """``torch.from_dlpack`` of the lowgrad tensor ``t``, no copy. Memory both sides address (an
+    offloaded shard in mapped pinned memory, DLPack's ``kDLCUDAHost``) becomes the CPU tensor it
+    also is: PyTorch 2.11 refuses ``kDLCUDAHost`` ("Unsupported device_type: 3")."""
+    if t.__dlpack_device__()[0] == KDL_CUDA_HOST:
+        return torch.from_dlpack(t.__dlpack__(dl_device=(KDL_CPU, 0)))
+    return torch.from_dlpack(t)
 
 
 def _positive_finite(what: str, value: Any) -> float:
