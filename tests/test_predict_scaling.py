@@ -358,3 +358,43 @@ def test_the_issue_numbers_follow_from_the_byte_model() -> None:
     assert by["hierarchical"]["block"]["inter"] / S == pytest.approx(1 / 2 / 4)
     assert by["scatter_reduce"]["block"]["inter"] / by["hierarchical"]["block"]["inter"] == pytest.approx(14)
     assert by["all_to_all"]["block"]["inter"] / S == pytest.approx(8 * 0.5)
+
+
+def test_the_parameter_gather_is_what_the_byte_model_says() -> None:
+    """ShardOptimizer's all-gather of the updated parameters, counted: over every rank in a ring
+    (scatter_reduce), across the nodes and then within them (hierarchical, W = 8 in 2 x 4 and 4 x 2)."""
+    torch = pytest.importorskip("torch")
+    from lowgrad.torch import ShardOptimizer, attach, module_layout
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+            self.to(torch.bfloat16)
+
+        def forward(self, x: Any) -> Any:
+            h = self.embed(x)
+            for blk in self.layers:
+                h = torch.tanh(blk(h))
+            return h.float().square().mean()
+
+    for strategy, G in (("scatter_reduce", 4), ("hierarchical", 4), ("hierarchical", 2)):
+        log: dict[int, dict[str, list[float]]] = {}
+
+        def fn(c: Any, strategy: str = strategy, G: int = G, log: dict[int, dict[str, list[float]]] = log) -> None:
+            net = Net()
+            opts = {"group_size": G} if strategy == "hierarchical" else {}
+            att = attach(net, Counting(c, list(range(8)), G, log), strategy=strategy, **opts)
+            opt = ShardOptimizer(att, lr=1e-3)
+            with att.micro_step(0, 1):
+                net(torch.arange(8).reshape(2, 4) + c.rank).backward()
+            opt.step()
+            opt.close()
+            att.close()
+        ps.lg.run_threads(8, fn)
+        got = [sum(log[r]["params"][i] for r in log) / 8 for i in (0, 1)]
+        layout = module_layout(Net())[0]
+        want = ps.step_bytes([h for h in ps.hops(layout, strategy, 8, G, replace(ps.Config(), gpus_per_node=G))
+                              if h.part == "params"])["params"]
+        assert got == pytest.approx([want["intra"], want["inter"]], rel=1e-12), (strategy, G)

@@ -268,16 +268,20 @@ def test_clip_coefficient_against_float64() -> None:
 
 
 @pytest.mark.parametrize("master", [True, False])
-def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool) -> None:
-    """Two steps at world 2 (AdamW over each rank's shards, clipped, then all-gathered): every
-    rank ends with the same module, equal to AdamW on the full parameters with the full averaged
-    gradients (the ranks' shards put together), elementwise the same arithmetic."""
+@pytest.mark.parametrize("world,strategy,options", [(2, "scatter_reduce", {}), (4, "hierarchical", {"group_size": 2}),
+                                                    (4, "hierarchical", {"group_size": 1})], ids=str)
+def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool, world: int, strategy: str,
+                                                             options: dict[str, Any]) -> None:
+    """Two steps (AdamW over each rank's shards, clipped, then all-gathered, at two nodes of two
+    ranks across the nodes first): every rank ends with the same module, equal to AdamW on the
+    full parameters with the full averaged gradients (the ranks' shards put together),
+    elementwise the same arithmetic."""
     from lowgrad.torch import ShardOptimizer
     M, kw = 2, {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}
 
     def job(c: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         model = Tiny()
-        att = attach(model, c, strategy="scatter_reduce", seed=3)
+        att = attach(model, c, strategy=strategy, seed=3, **options)
         opt = ShardOptimizer(att, master_weights=master, **kw)
         grads_per_step = []
         for _ in range(2):
@@ -294,14 +298,14 @@ def test_shard_optimizer_equals_adamw_on_the_full_parameters(master: bool) -> No
         att.close()
         return grads_per_step, final
 
-    results = lg.run_threads(2, job, backend="host")
-    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])  # one model
+    results = lg.run_threads(world, job, backend="host")
+    assert all(torch.equal(results[0][1][n], results[r][1][n]) for n in results[0][1] for r in range(world))
     ref = Tiny()
     params = dict(ref.named_parameters())
     masters = {n: p.detach().float().clone().requires_grad_() if master else p for n, p in params.items()}
     opt = torch.optim.AdamW(list(masters.values()), **kw)
     for step in range(2):
-        full = {n: torch.cat([results[r][0][step][n] for r in range(2)]) for n in params}
+        full = {n: torch.cat([results[r][0][step][n] for r in range(world)]) for n in params}
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in full.values()))
         coef = results[0][0][step]["coef"]  # the manager's (fp32 sum of squares, sqrt in float64) ...
         assert coef < 1 and abs(float(coef) - 0.5 / (float(norm) + 1e-6)) <= 1e-5 * float(coef)  # ... = float64

@@ -417,6 +417,13 @@ class Hop:
         return lat + (intra + inter) / rate
 
 
+#: HSDP's layout, modelled beside the strategies (not offered: docs/architecture.md says why):
+#: optimizer shards of 1/G replicated over the nodes, so no parameter byte crosses a node
+HSDP = "hsdp (model)"
+#: AdamW's state per parameter: float32 master weights and two moments
+OPTIMIZER_STATE_BYTES = 12
+
+
 def exchange_kind(unbiased: bool) -> str:
     return "all_to_all" if unbiased else "ring"
 
@@ -424,11 +431,18 @@ def exchange_kind(unbiased: bool) -> str:
 def hops(layout: lg.Layout, strategy: str, world: int, G: int, cfg: Config) -> list[Hop]:
     """Every collective of one step of ``strategy`` at ``world`` ranks, ``G`` per node, under
     ``cfg.rounding`` (``"sr"``: all_to_all's non-block gradients and hierarchical's every exchange
-    through all-to-alls summed in float32), and ``cfg.params``'s parameter all-gather."""
+    through all-to-alls summed in float32), and ShardOptimizer's parameter all-gather after the
+    step (through the nodes' hierarchy where the strategy knows the nodes)."""
     M, L, S = cfg.micro_steps, layout.num_layers, layer_bytes(layout)
     N, sr = world // G, cfg.rounding == "sr"
     nb = 2 * layout.non_block_numel
     out = []
+    if strategy == HSDP:  # hierarchical's node exchange; the 1/G node sums all-reduced across the nodes
+        return [Hop("block", exchange_kind(sr), S, G, G, M * L, "micro"),
+                Hop("block", "all_reduce", S / G, N, 1, L, "last"),
+                Hop("non_block", "ring", nb, G, G, 1, "step"), Hop("non_block", "all_reduce", nb / G, N, 1, 1, "step"),
+                Hop("norm", "all_reduce", 4, world, G, 1, "step"),
+                Hop("params", "ring", 2 * layout.total_numel, G, G, 1, "step")]
     if strategy == "hierarchical":
         out += [Hop("block", exchange_kind(sr), S, G, G, M * L, "micro"),
                 Hop("block", exchange_kind(sr), S / G, N, 1, L, "last")]
@@ -443,7 +457,11 @@ def hops(layout: lg.Layout, strategy: str, world: int, G: int, cfg: Config) -> l
         out.append(Hop("non_block", exchange_kind(sr and strategy in ("all_to_all", "hierarchical")), nb, world, G, 1,
                        "step"))
     out.append(Hop("norm", "all_reduce", 4, world, G, 1, "step"))
-    out.append(Hop("params", "ring", 2 * layout.total_numel, world, G, 1, "step"))
+    params = 2 * layout.total_numel  # ShardOptimizer's all-gather of the updated bf16 parameters
+    if strategy == "hierarchical" and 1 < G < world:  # across the nodes (1/G of it), then within
+        out += [Hop("params", "ring", params / G, N, 1, 1, "step"), Hop("params", "ring", params, G, G, 1, "step")]
+    else:
+        out.append(Hop("params", "ring", params, world, G, 1, "step"))
     return out
 
 
@@ -462,30 +480,40 @@ def multi_node(model: str, layout: lg.Layout, nodes: int, m: Measured, cfg: Conf
     """Per strategy, ``model`` on ``nodes`` nodes of ``cfg.gpus_per_node`` GPUs: the exchange and SR
     of one layer in a middle and in the last micro-step and their mean over a step; the non-block
     exchange and the parameter all-gather of the step (exposed: after the backward, and after the
-    optimizer); the bytes a rank sends per step, by part and link (:func:`hops`); the block
-    accumulator per layer."""
+    optimizer); what of it all the step exposes (the layers' exchanges beyond the backward, on the
+    two-buffer timeline, plus those two); the bytes a rank sends per step, by part and link
+    (:func:`hops`); the block accumulator per layer and the optimizer's state per rank; and HSDP's
+    layout as a model."""
     G, M, S = cfg.gpus_per_node, cfg.micro_steps, layer_bytes(layout)
     W = G * nodes
     layout.check_world(W)
     b = backward_ms(layout, cfg)
     out = []
-    for strategy in ("unsharded", "scatter_reduce", "all_to_all", "hierarchical"):
+    for strategy in ("unsharded", "scatter_reduce", "all_to_all", "hierarchical", HSDP):
         hs = hops(layout, strategy, W, G, cfg)
         block = [h for h in hs if h.part == "block"]
-        share = W if strategy != "hierarchical" else G  # the accumulator: 1/W, or 1/G of the layer
+        share = G if strategy in ("hierarchical", HSDP) else W  # the accumulator: 1/W, or 1/G of the layer
         sr = 0.0 if strategy == "unsharded" else add_sr_ms(3 * S / share, m)
         if strategy == "all_to_all":
             sr += reduce_sr_ms(layout, W, m)
         middle = sum(h.ms(cfg) for h in block if h.when == "micro") + sr
         last = middle + sum(h.ms(cfg) for h in block if h.when == "last")
         by_part = step_bytes(hs)
+        L = layout.num_layers
+
+        def exposed(comm: float) -> float:  # of one micro-step's layers, behind the backward
+            return timeline_ms(L, b, comm, 2) - L * b if comm else 0.0
+        nb_ms = sum(h.ms(cfg) for h in hs if h.part == "non_block")
+        params_ms = sum(h.ms(cfg) for h in hs if h.part == "params")
         out.append({"model": model, "strategy": strategy, "nodes": nodes, "gpus_per_node": G, "world": W,
                     "rounding": cfg.rounding, "middle_ms": middle, "last_ms": last,
                     "mean_ms": ((M - 1) * middle + last) / M, "backward_ms": b, "hidden_last": min(1.0, b / last),
-                    "non_block_ms": sum(h.ms(cfg) for h in hs if h.part == "non_block"),
-                    "params_ms": sum(h.ms(cfg) for h in hs if h.part == "params"),
+                    "non_block_ms": nb_ms, "params_ms": params_ms,
+                    "step_exposed_ms": (M - 1) * exposed(middle) + exposed(last) + nb_ms + params_ms,
                     "bytes": by_part, "inter_node_bytes_per_step": sum(v["inter"] for v in by_part.values()),
-                    "accumulator_bytes": 0 if strategy == "unsharded" else S / share})
+                    "accumulator_bytes": 0 if strategy == "unsharded" else S / share,
+                    "optimizer_state_bytes": OPTIMIZER_STATE_BYTES * layout.total_numel / (G if strategy == HSDP
+                                                                                           else W)})
     return out
 
 
@@ -654,14 +682,15 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def multi_node_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = [f"{'model':<14}{'strategy':<16}{'nodes':>6}{'W':>4}{'middle ms':>11}{'last ms':>9}{'mean ms':>9}"
-           f"{'bwd ms':>8}{'nb ms':>8}{'params ms':>10}{'inter MB/step: block':>22}{'nb':>8}{'params':>8}"
-           f"{'acc MB':>8}"]
+           f"{'bwd ms':>8}{'nb ms':>8}{'params ms':>10}{'step ms':>9}{'inter MB/step: block':>22}{'nb':>8}"
+           f"{'params':>8}{'acc MB':>8}{'opt GB':>8}"]
     for r in rows:
         by = r["bytes"]
         out.append(f"{r['model']:<14}{r['strategy']:<16}{r['nodes']:>6}{r['world']:>4}{r['middle_ms']:>11.3f}"
                    f"{r['last_ms']:>9.3f}{r['mean_ms']:>9.3f}{r['backward_ms']:>8.3f}{r['non_block_ms']:>8.3f}"
-                   f"{r['params_ms']:>10.3f}{by['block']['inter'] / 1e6:>22.1f}{by['non_block']['inter'] / 1e6:>8.1f}"
-                   f"{by['params']['inter'] / 1e6:>8.1f}{r['accumulator_bytes'] / 1e6:>8.1f}")
+                   f"{r['params_ms']:>10.3f}{r['step_exposed_ms']:>9.1f}{by['block']['inter'] / 1e6:>22.1f}"
+                   f"{by['non_block']['inter'] / 1e6:>8.1f}{by['params']['inter'] / 1e6:>8.1f}"
+                   f"{r['accumulator_bytes'] / 1e6:>8.1f}{r['optimizer_state_bytes'] / 1e9:>8.2f}")
     return out
 
 
@@ -693,13 +722,15 @@ def markdown(result: dict[str, Any], command: str) -> str:
               for b in result["bench_manager"]]
     lines += ["", f"Across nodes: {link_text(result['config'])}; per layer (block) and per step:", "",
               "| model | strategy | nodes | W | middle ms | last ms | mean ms | backward ms | non-block ms | "
-              "params ms | inter-node MB/step: block | non-block | params | accumulator MB |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "params ms | exposed ms/step | inter-node MB/step: block | non-block | params | accumulator MB | "
+              "optimizer GB |",
+              "| --- | --- |" + " ---: |" * 14]
     lines += [f"| {r['model']} | {r['strategy']} | {r['nodes']} | {r['world']} | {r['middle_ms']:.3f} | "
               f"{r['last_ms']:.3f} | {r['mean_ms']:.3f} | {r['backward_ms']:.3f} | {r['non_block_ms']:.3f} | "
-              f"{r['params_ms']:.3f} | {r['bytes']['block']['inter'] / 1e6:.1f} | "
+              f"{r['params_ms']:.3f} | {r['step_exposed_ms']:.1f} | {r['bytes']['block']['inter'] / 1e6:.1f} | "
               f"{r['bytes']['non_block']['inter'] / 1e6:.1f} | {r['bytes']['params']['inter'] / 1e6:.1f} | "
-              f"{r['accumulator_bytes'] / 1e6:.1f} |" for r in result["multi_node"]]
+              f"{r['accumulator_bytes'] / 1e6:.1f} | {r['optimizer_state_bytes'] / 1e9:.2f} |"
+              for r in result["multi_node"]]
     lines += ["", "Assumptions that the first multi-GPU run can confirm or refute:", ""]
     lines += [f"{i}. {a}" for i, a in enumerate(result["assumptions"], 1)]
     return "\n".join(lines) + "\n"
@@ -709,8 +740,8 @@ def link_text(cfg: dict[str, Any]) -> str:
     """The links between nodes, as the tables name them."""
     G = cfg["gpus_per_node"]
     per_node = cfg["inter_node_node_gbps"] if cfg["inter_node_node_gbps"] is not None else G * cfg["inter_node_gbps"]
-    given = "per node" if cfg["inter_node_node_gbps"] is not None else f"{cfg['inter_node_gbps']:.1f} GB/s per GPU"
-    return (f"nodes of {G} GPUs, {per_node:.1f} GB/s each way between a node and the others ({given}; "
+    given = "given per node" if cfg["inter_node_node_gbps"] is not None else "given per GPU"
+    return (f"nodes of {G} GPUs, {per_node:.1f} GB/s each way between a node and the others ({given}: "
             f"{per_node / G:.2f} GB/s per GPU), rounding {cfg['rounding']!r}")
 
 

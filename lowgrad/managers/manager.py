@@ -52,7 +52,7 @@ from lowgrad.buffers import capture
 from lowgrad.buffers.streams import StreamLike, stream_handle
 from lowgrad.buffers.tensor import Container, Tensor, shard_view
 from lowgrad.diagnostics.report import StepStats
-from lowgrad.managers.exchange import NonBlockExchange
+from lowgrad.managers.exchange import NodeGroups, NonBlockExchange
 from lowgrad.managers.layout import Layout
 from lowgrad.managers.protocol import HostState, MicroStepState, check_step, check_step_room
 from lowgrad.managers.replay import Capture, CaptureContext
@@ -191,6 +191,13 @@ class GradientManager:
         """Whether the block accumulation runs on the engine's stream (see ``inline`` of
         :func:`lowgrad.create_gradient_manager`) rather than on the communication stream."""
         return self._inline
+
+    @property
+    def node_groups(self) -> NodeGroups:
+        """How the ranks sit on nodes, as the strategy knows them (one node, but for
+        ``hierarchical``): the communicators within the node and across the nodes, for an exchange
+        beside the manager's (:class:`lowgrad.torch.ShardOptimizer`'s parameter all-gather)."""
+        return self._strategy.groups()
 
     @property
     def in_micro_step(self) -> bool:

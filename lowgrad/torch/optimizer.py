@@ -119,6 +119,12 @@ class ShardOptimizer:
         self._gather = attached.device.alloc((biggest,), attached.gm.dtype, name="lowgrad_torch_gather") \
             if self.world > 1 else None
         self._gather_event = attached.device.event(name="lowgrad_torch_gather") if self.world > 1 else None
+        # across nodes (hierarchical): this rank's rows go to the ranks of its index on the other
+        # nodes first, into a scratch of 1/G of the biggest parameter, then within each node
+        groups = attached.gm.node_groups
+        self._groups = groups if groups.crosses and self.world > 1 else None
+        self._gather_cross = attached.device.alloc((biggest // groups.size,), attached.gm.dtype,
+                                                   name="lowgrad_torch_gather") if self._groups else None
 
     def _rows(self, p: torch.Tensor) -> torch.Tensor:
         if not p.dim():  # 0-d: the whole parameter (world 1: the layout refuses it at world > 1)
@@ -432,7 +438,9 @@ class ShardOptimizer:
 
     def _all_gather(self, bucket: list[tuple[torch.Tensor, int]]) -> None:
         """Every rank's updated rows of the bucket's parameters into every rank's parameters:
-        each packed at its offset of the gather buffer, all gathered in place in one group."""
+        each packed at its offset of the gather buffer, all gathered in place in one group; where
+        the ranks sit on several nodes of several ranks, through the nodes' hierarchy
+        (:meth:`_gather_through_nodes`)."""
         att, gather = self.attached, self._gather
         assert gather is not None
         bufs, fulls = [], []
@@ -442,14 +450,42 @@ class ShardOptimizer:
             self._rows(full).copy_(self._rows(p))
             bufs.append(buf)
             fulls.append(full)
-        comm, stream = att.gm.comm, att.current_stream()
-        with comm.group(stream, event=self._gather_event):
-            for buf in bufs:
-                comm.all_gather(buf, stream=stream)
+        stream = att.current_stream()
+        if self._groups is not None:
+            self._gather_through_nodes(bucket, bufs, fulls, stream)
+        else:
+            comm = att.gm.comm
+            with comm.group(stream, event=self._gather_event):
+                for buf in bufs:
+                    comm.all_gather(buf, stream=stream)
         for (p, _), full in zip(bucket, fulls):
             p.detach().copy_(full)
 
+    def _gather_through_nodes(self, bucket: list[tuple[torch.Tensor, int]], bufs: list[Any], fulls: list[torch.Tensor],
+                              stream: Any) -> None:
+        """Rank ``n*G + g``'s rows (chunk ``rank`` of W) to the ranks of index ``g`` on the other
+        nodes, gathered into the scratch (chunk ``k*G + g`` in slot ``k``: ``(N-1)/N`` of ``1/G`` of
+        each parameter leaves the node), moved to their places; then within the node, an in-place
+        all-gather of each of the N slices of ``1/N`` (chunks ``k*G .. k*G + G-1``)."""
+        groups, att, scratch = self._groups, self.attached, self._gather_cross
+        assert groups is not None and scratch is not None
+        G, N, W = groups.size, groups.nodes, self.world
+        slots = [scratch.view(offset // G, p.numel() // G) for p, offset in bucket]
+        with groups.cross.group(stream, event=self._gather_event):
+            for buf, slot in zip(bufs, slots):
+                c = buf.numel // W
+                groups.cross.all_gather(buf.view(self.rank * c, c), out=slot, stream=stream)
+        for full, slot in zip(fulls, slots):
+            c = full.numel() // W
+            full.reshape(N, G, c)[:, groups.g].copy_(att.view(slot).reshape(N, c))
+        with groups.node.group(stream, event=self._gather_event):
+            for buf in bufs:
+                part = buf.numel // N
+                for k in range(N):
+                    groups.node.all_gather(buf.view(k * part, part), stream=stream)
+
     def close(self) -> None:
-        if self._gather is not None:
-            self._gather.close()
-            self._gather = None
+        for t in (self._gather, self._gather_cross):
+            if t is not None:
+                t.close()
+        self._gather = self._gather_cross = None
