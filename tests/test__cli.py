@@ -41,6 +41,8 @@ CASES = [
                                 "--worlds", "2", "--world-micro", "2", "--modes", "ldsr,sr"], "ok", False),
     ("tools/accuracy_bias.py", ["--grads", "missing.npy"], "why", False),
     ("tools/accuracy_world.py", ["--worlds", "5"], "why", False),
+    ("tools/exchange_bias.py", ["--n", "256", "--seeds", "1", "--inputs", "mean-tie"], "ok", False),
+    ("tools/exchange_bias.py", ["--inputs", "nothing"], "why", False),
     ("tools/bench_graph.py", [], "gpu", True),
     ("tools/bench_kernels.py", [], "gpu", True),
     ("tools/bench_layer.py", [], "gpu", True),

@@ -16,12 +16,15 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
                             stats: bool = False, **options: Any) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
-    ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
+    ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks),
+    "hierarchical" (sharded blocks, several nodes: ``group_size``);
     ``offload``: block shards in pinned host memory (sharded strategies only); ``dtype``: bf16 or
     fp32 gradients; ``seed``: the base seed of the SR noise; ``step``: the optimizer step to run
     first; ``rounding`` (sharded strategies, bf16 shards): how each add into a shard rounds,
     "ldsr" (low-discrepancy SR, the default), "sr" (stochastic rounding, fresh noise each
-    micro-step) or "rn" (round to nearest even). The unsharded strategy rounds nothing itself (the
+    micro-step; with "all_to_all" and "hierarchical" every exchange is summed in float32 and
+    rounded with SR too, so the step's sum is unbiased: docs/accuracy.md) or "rn" (round to
+    nearest even). The unsharded strategy rounds nothing itself (the
     engine adds into the full gradients) and takes no ``rounding``.
 
     ``inline`` (sharded strategies at world 1 with device shards): where there is nothing to

@@ -10,35 +10,55 @@ pieces: piece ``k`` accumulates chunk ``k*G + g`` of W (``g`` this rank's index 
 
 At ``notify``, on the communication stream after the engine's work:
 
-1. within the node (the communicator split by node): one group of N in-place reduce-scatters
-   (average over G), one of each contiguous 1/N of the tensor, so that this rank holds the
-   node's mean of chunks ``k*G + g`` for every k: the same bytes as one reduce-scatter;
-2. those N chunks are added into the accumulator's pieces (a copy on micro-step 0, ``add_sr``
-   with phase-0 noise after, of the chunk's element indices in the full tensor shifted by
-   ``n * numel``: each node's own noise, so that the nodes' rounding errors average out across
-   the nodes);
-3. on the last micro-step only, across the nodes (the communicator split by local index ``g``:
-   the N ranks of the same index): an in-place reduce-scatter (average over N) of the
-   accumulator, which leaves piece ``n`` (this rank's node) = chunk ``n*G + g`` = chunk ``rank``
-   of the mean over all W ranks: the shard every other strategy gives this rank. With offload
-   the accumulator is staged through the free part of the layer's device buffer (NCCL reduces
-   device memory only).
+1. within the node (the communicator split by node), over the N contiguous slices of 1/N of the
+   tensor, so that this rank gets chunks ``k*G + g`` of the node's ranks for every k (the bytes of
+   one reduce-scatter, ``(G-1)/G`` of the tensor):
+
+   - ``rounding="ldsr"`` or ``"rn"``: one group of N in-place reduce-scatters (average over G),
+     then the N chunks are added into the accumulator's pieces (a copy on micro-step 0,
+     ``add_sr`` with phase-0 noise after);
+   - ``rounding="sr"``: this rank's own chunks are added first (the same copy or add), then the
+     destructive all-to-all of the slices brings the node's peers' chunks, and ``reduce_sr`` adds
+     them to each piece in float32 and rounds once (phase 1; a
+     :class:`~lowgrad.managers.exchange.SumExchange`): the pieces hold the node's sums, unbiased;
+
+   node ``n`` rounds with the noise of the chunk's element indices in the full tensor shifted by
+   ``n * numel``: each node's own noise, so that the nodes' rounding errors average out;
+2. on the last micro-step only, across the nodes (the communicator split by local index ``g``:
+   the N ranks of the same index), piece ``n`` (this rank's node) becomes chunk ``n*G + g`` = chunk
+   ``rank`` of the mean over all W ranks, the shard every other strategy gives this rank:
+
+   - ``"ldsr"``, ``"rn"``: an in-place reduce-scatter (average over N) of the accumulator (with
+     offload staged through the free part of the layer's device buffer: NCCL reduces device
+     memory only), rounded to nearest;
+   - ``"sr"``: the accumulator staged into the layer's device buffer, its destructive all-to-all,
+     and the other nodes' pieces added into piece ``n`` in float32, scaled by 1/W and rounded once
+     with SR (the noise of the element indices shifted by ``N * numel``, no node's).
+
+Under ``"sr"`` every exchange thus adds in float32 and rounds once with fresh noise: the step's sum
+is unbiased (tools/exchange_bias.py; docs/accuracy.md, "What the exchange adds"). The non-block
+gradients go through the same two levels once per step, and ShardOptimizer's parameter
+all-gather through them the other way (:meth:`groups`).
 
 Why reduce-scatter across nodes rather than all-reduce keeping 1/G: per step each rank sends
 ``(N-1)/N * B/G`` bytes over the inter-node link (B the layer's gradient bytes) where an
 all-reduce sends twice that, and the shard the optimizer reads is 1/W (its state 1/W, the same
 shards and norms as the other strategies) rather than 1/G. The accumulator (1/G, N times a 1/W
 shard) is the memory hierarchical pays for crossing the nodes once per step instead of once per
-micro-step: inter-node bytes per step drop by the number of micro-steps against
-``scatter_reduce``, and the inter-node collective spans N ranks instead of W.
+micro-step: the blocks' inter-node bytes per rank and step are ``M (W-1)/W B/G`` for
+``scatter_reduce``'s ring over all W ranks (M micro-steps) and ``(N-1)/N B/G`` here, fewer by
+``M (W-1)/W N/(N-1)``: 14x at M = 8, W = 8, G = 4 (counted on the host backend through a wrapped
+communicator: tests/test_predict_scaling.py), and the inter-node collective spans N ranks instead
+of W.
 
 ``group_size``: None reads the launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``,
 Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, Slurm's ``SLURM_NTASKS_PER_NODE``), or ``world`` (one
 node) where none is set; it must divide the world. Creating the manager is a collective here
 (the two splits): every rank creates it. The accumulation follows the node's exchange, so it
 never runs inline. Statistics: each rank's own gradient per micro-step (the local rows) and the
-step's shards; the micro-step rows (the mean over all ranks of one micro-step) only on one node,
-where the accumulation's adds see that mean (NaN otherwise: no kernel holds it).
+step's shards; the micro-step rows (the mean over all ranks of one micro-step) only on one node
+under ``"ldsr"``/``"rn"``, where the accumulation's adds see that mean (NaN otherwise: no kernel
+holds it).
 """
 from __future__ import annotations
 
