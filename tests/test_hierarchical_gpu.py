@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_replayed_micro_steps_are_bit_identical_to_eager_at_two_nodes(offload: bool) -> None:
+@pytest.mark.parametrize("rounding", [None, "sr"])  # "sr": the all-to-alls of both levels in the graphs
+def test_replayed_micro_steps_are_bit_identical_to_eager_at_two_nodes(offload: bool, rounding: str | None) -> None:
     layout, M = small_layout(), 3
 
     def job(comm: Any) -> bool:
@@ -24,7 +25,7 @@ def test_replayed_micro_steps_are_bit_identical_to_eager_at_two_nodes(offload: b
         s = dev.stream()
         srcs = engine_inputs(dev, layout)
         eager, graphed = (lg.create_gradient_manager(layout, comm, strategy="hierarchical", group_size=2,
-                                                     offload=offload, seed=3) for _ in range(2))
+                                                     offload=offload, seed=3, rounding=rounding) for _ in range(2))
         for m in range(M):  # step 0 eagerly on both: compiles kernels, warms every lazy resource
             micro_step(eager, layout, srcs, s, m, M)
             micro_step(graphed, layout, srcs, s, m, M)

@@ -45,12 +45,12 @@ def node_sums(group: int) -> Any:
     return job
 
 
-def hierarchical(group: int, offload: bool) -> Any:
+def hierarchical(group: int, offload: bool, rounding: str | None = None) -> Any:
     layout = small_layout()
 
     def job(c: Any) -> dict[str, np.ndarray]:
         with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=group, offload=offload,
-                                        seed=7) as gm:
+                                        seed=7, rounding=rounding) as gm:
             return drive(c, layout, "hierarchical", offload, 3, steps=2, gm=gm, gfun=bf16_grad)
     return job
 
@@ -71,8 +71,9 @@ def test_split_collectives(world: int, group: int) -> None:
 
 @pytest.mark.parametrize("world,group", SHAPES)
 @pytest.mark.parametrize("offload", [False, True])
-def test_hierarchical_equals_the_host_backend(world: int, group: int, offload: bool) -> None:
-    job = hierarchical(group, offload)
+@pytest.mark.parametrize("rounding", [None, "sr"])  # "sr": the all-to-alls summed in float32 (SumExchange)
+def test_hierarchical_equals_the_host_backend(world: int, group: int, offload: bool, rounding: str | None) -> None:
+    job = hierarchical(group, offload, rounding)
     for a, b in zip(run(world, job), lg.run_threads(world, job)):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 

@@ -25,8 +25,9 @@ def test_split_collectives(world: int, group: int) -> None:
 
 @pytest.mark.parametrize("world,group", SHAPES)
 @pytest.mark.parametrize("offload", [False, True])
-def test_hierarchical_equals_the_host_backend(world: int, group: int, offload: bool) -> None:
-    job = hierarchical(group, offload)
+@pytest.mark.parametrize("rounding", [None, "sr"])  # "sr": the all-to-alls summed in float32 (SumExchange)
+def test_hierarchical_equals_the_host_backend(world: int, group: int, offload: bool, rounding: str | None) -> None:
+    job = hierarchical(group, offload, rounding)
     for a, b in zip(loopback(world, job), lg.run_threads(world, job)):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
