@@ -43,6 +43,7 @@ CASES = [
     ("tools/accuracy_world.py", ["--worlds", "5"], "why", False),
     ("tools/exchange_bias.py", ["--n", "256", "--seeds", "1", "--inputs", "mean-tie"], "ok", False),
     ("tools/exchange_bias.py", ["--inputs", "nothing"], "why", False),
+    ("tools/compressed_hop.py", ["--grads", "missing.npy"], "why", False),
     ("tools/bench_graph.py", [], "gpu", True),
     ("tools/bench_kernels.py", [], "gpu", True),
     ("tools/bench_layer.py", [], "gpu", True),
