@@ -104,10 +104,7 @@ def measure(strategy: str, world: int, group_size: int | None, kind: str, n: int
         ref_b.append(want_b)
         ref_e.append(want_e)
     block_stats = bias_stats(np.concatenate(got_b), np.concatenate(ref_b))
-    nb_err = np.concatenate(got_e) - np.concatenate(ref_e)
-    sd = float(nb_err.std(ddof=1))
-    nb_se = float(nb_err.mean() / (sd / np.sqrt(nb_err.size))) if sd else \
-        (0.0 if not nb_err.mean() else float(np.copysign(np.inf, nb_err.mean())))
+    nb_se = bias_stats(np.concatenate(got_e), np.concatenate(ref_e))["bias_se"]
     return {"strategy": strategy, "world": world, "group_size": group_size, "input": kind, "micro": micro,
             "n": block_stats["n"], "rounding": rounding, "block": block_stats, "non_block_bias_se": nb_se}
 
