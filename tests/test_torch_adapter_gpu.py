@@ -49,13 +49,16 @@ def test_cuda_shards_equal_the_host_manager_with_the_same_gradients(world: int, 
             assert np.array_equal(got[k], want[k]), k
 
 
-def test_shard_optimizer_on_the_gpu_keeps_ranks_equal() -> None:
+@pytest.mark.parametrize("world,strategy,options", [(2, "scatter_reduce", {}),
+                                                    (4, "hierarchical", {"group_size": 2, "rounding": "sr"})], ids=str)
+def test_shard_optimizer_on_the_gpu_keeps_ranks_equal(world: int, strategy: str, options: dict[str, Any]) -> None:
+    """hierarchical at 2 x 2: the parameters gathered across the nodes, then within them."""
     def job(c: Any) -> dict[str, Any]:
         if not torch.cuda.is_available():
             pytest.skip("torch has no CUDA")
         torch.cuda.set_stream(torch.cuda.Stream())  # this rank's thread: its own stream
         model = Tiny().cuda()
-        att = attach(model, c, strategy="scatter_reduce", seed=3)
+        att = attach(model, c, strategy=strategy, seed=3, **options)
         opt = ShardOptimizer(att, lr=1e-2, weight_decay=0.1)
         for m in range(2):
             with att.micro_step(m, 2):
@@ -67,8 +70,9 @@ def test_shard_optimizer_on_the_gpu_keeps_ranks_equal() -> None:
         opt.close()
         att.close()
         return out
-    a, b = lg.run_threads(2, job, backend="cuda", share_gpu=True, timeout=60)
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    out = lg.run_threads(world, job, backend="cuda", share_gpu=True, timeout=60)
+    a = out[0]
+    assert all(torch.equal(a[n], b[n]) for b in out[1:] for n in a)
     assert any(not torch.equal(a[n], p.detach()) for n, p in Tiny().named_parameters())  # it moved
 
 
