@@ -255,7 +255,7 @@ def test_broken_and_foreign_checkpoints_are_refused_naming_the_file(tmp_path: Pa
             (p / "manifest.json").read_bytes()[:100])), "not JSON"),
         "a flipped bit": (broken("flip", flip), "rank-00001.bin: the chunk of"),
         "a truncated file": (broken("trunc", truncate), "rank-00000.bin"),
-        "a missing file": (broken("gone", lambda p: (p / "rank-00001.bin").unlink()), "rank-00001.bin: missing"),
+        "a missing file": (broken("gone", lambda p: (p / "rank-00001.bin").unlink()), "rank-00001.bin is missing"),
         "another version": (broken("ver", edit_manifest(version=lambda v: 99)), "version 99"),
         "another model": (broken("model", edit_manifest(layout=lambda v: {**v, "num_layers": 3})), "another model"),
     }

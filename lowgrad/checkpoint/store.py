@@ -20,6 +20,7 @@ it returns: a checkpoint refused on one rank is refused on all, and nothing has 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import zlib
@@ -30,7 +31,8 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 
 from lowgrad.base.errors import CheckpointError
-from lowgrad.checkpoint import durable, manifest
+from lowgrad.base.trace import logger
+from lowgrad.checkpoint import durable, files, manifest
 from lowgrad.checkpoint.manifest import rank_file
 from lowgrad.checkpoint.rows import Rows
 from lowgrad.managers.state import ManagerState, resume_state
@@ -243,7 +245,7 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
     if dtype != want.data.dtype or shape != want.shape:
         raise CheckpointError(f"{path / manifest.NAME}: array {name!r} is {dtype.name} {list(shape)}, this run's is "
                               f"{want.data.dtype.name} {list(want.shape)} (another model or optimizer?)")
-    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    row = math.prod(shape[1:]) * dtype.itemsize
     out = np.empty(want.data.shape, dtype)
     flat = out.reshape(-1).view(np.uint8)
     for c in entry["chunks"]:
@@ -259,8 +261,7 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
             fh.seek(c["offset"])
             raw = fh.read(c["bytes"])
         if len(raw) != c["bytes"] or zlib.crc32(raw) != c["crc32"]:
-            raise CheckpointError(f"{file}: the chunk of {name!r} (rows [{c['start']}, {c['start'] + c['rows']}), "
-                                  f"bytes {c['offset']}..{c['offset'] + c['bytes']}) fails its CRC-32 (corrupted)")
+            raise _corrupted(file, name, c)
         if shape:
             flat[(lo - want.start) * row:(hi - want.start) * row] = \
                 np.frombuffer(raw, np.uint8)[(lo - c["start"]) * row:(hi - c["start"]) * row]
@@ -269,27 +270,61 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
     return out
 
 
+def _corrupted(file: Path, name: str, c: dict[str, Any]) -> CheckpointError:
+    return CheckpointError(f"{file}: the chunk of {name!r} (rows [{c['start']}, {c['start'] + c['rows']}), "
+                           f"bytes {c['offset']}..{c['offset'] + c['bytes']}) fails its CRC-32 (corrupted)")
+
+
 def _check_size(path: Path, m: dict[str, Any], name: str) -> int:
-    """The size of the checkpoint's file ``name``: CheckpointError naming it when it is missing or
-    not the size the manifest lists."""
+    """The size of the checkpoint's file ``name``: CheckpointError naming it when it is missing,
+    not a regular file (what it is) or not the size the manifest lists."""
     file = path / name
-    try:
-        size = os.stat(file).st_size
-    except OSError as e:
-        raise CheckpointError(f"{file}: missing or unreadable ({e.strerror})") from None
+    size = files.regular(file, "the checkpoint lacks a rank's file").st_size
     if size != m["files"][name]:
         raise CheckpointError(f"{file}: {size} bytes, the manifest says {m['files'][name]} (truncated or replaced)")
     return size
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
+def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` once every byte of it passed its check: the
+    manifest's (as :func:`read_manifest`), every listed file's kind and size, and the CRC-32 of
+    every chunk, read in pieces of :data:`_PIECE` bytes. CheckpointError naming the first file
+    that fails. Not a collective: a pass over the whole checkpoint by the process that calls it."""
+    return _verify(Path(path))
+
+
+def _verify(where: Path) -> dict[str, Any]:
+    m = manifest.read(where)
+    for name in m["files"]:
+        _check_size(where, m, name)
+    for name, entry in sorted(m["arrays"].items()):
+        for c in entry["chunks"]:
+            with open(where / c["file"], "rb") as fh:
+                fh.seek(c["offset"])
+                crc, left = 0, c["bytes"]
+                while left:
+                    piece = fh.read(min(left, _PIECE))
+                    if not piece:
+                        break  # the file shrank since its size was checked: the CRC-32 fails
+                    crc, left = zlib.crc32(piece, crc), left - len(piece)
+            if left or crc != c["crc32"]:
+                raise _corrupted(where / c["file"], name, c)
+    return m
+
+
+_PIECE = 1 << 24  # verify's reads: a chunk of any size in bounded memory
+
+
+def latest(root: str | os.PathLike[str], verify: bool = False) -> Path | None:
     """The whole checkpoint under ``root`` with the highest manager step (ties: the last name),
     or None: directories whose manifest is missing or refused (a save cut short, another file, an
-    edit) or one of whose files is missing or not its listed size are passed over, so after a
-    crash the previous checkpoint is the one resumed. The files' CRC-32s are not read here (that
-    is a pass over every byte): :func:`load` checks those of the bytes it uses."""
-    best: tuple[int, str] | None = None
-    found = None
+    edit, a FIFO) or one of whose files is missing, not a regular file or not its listed size are
+    passed over, so after a crash the previous checkpoint is the one resumed. Without ``verify``
+    the files' CRC-32s are not read (:func:`load` checks those of the bytes it uses); with it,
+    the newest checkpoint every chunk of which passes its CRC-32 (:func:`verify`, newest first:
+    a pass over every byte of each one tried). A directory passed over for any reason but a
+    missing manifest (not a checkpoint) is a WARNING on the ``lowgrad`` logger naming why."""
+    found: list[tuple[int, str, Path]] = []
     for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         if d.name.startswith(".") or not d.is_dir():
             continue
@@ -297,9 +332,21 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
             m = manifest.read(d)
             for name in m["files"]:
                 _check_size(d, m, name)
-        except CheckpointError:
+        except CheckpointError as e:
+            _passed_over(root, d, e)
             continue
-        step = m["manager"]["step"]
-        if best is None or (step, d.name) >= best:
-            best, found = (step, d.name), d
-    return found
+        found.append((m["manager"]["step"], d.name, d))
+    for _, _, d in sorted(found, reverse=True):
+        try:
+            if verify:
+                _verify(d)
+        except CheckpointError as e:
+            _passed_over(root, d, e)
+            continue
+        return d
+    return None
+
+
+def _passed_over(root: str | os.PathLike[str], d: Path, why: CheckpointError) -> None:
+    if os.path.lexists(d / manifest.NAME):  # without one it is no checkpoint: nothing to say
+        logger.warning("checkpoint.latest(%s): %s passed over: %s", os.fspath(root), d.name, why)
