@@ -43,8 +43,8 @@ class Engine:
     """A rank of a framework-free training loop: the manager's protocol with numpy gradients, SGD
     with momentum on this rank's float32 master rows of every parameter."""
 
-    def __init__(self, comm: Any, strategy: str, offload: bool) -> None:
-        self.gm = lg.create_gradient_manager(LAYOUT, comm, strategy=strategy, offload=offload, seed=11)
+    def __init__(self, comm: Any, strategy: str, offload: bool, stats: bool = False) -> None:
+        self.gm = lg.create_gradient_manager(LAYOUT, comm, strategy=strategy, offload=offload, seed=11, stats=stats)
         self.rank, self.world = comm.rank, comm.world
         self.master = {n: _grad(s.shape, "init", n).astype(np.float32)[self.rows(n)] for n, s in SPECS.items()}
         self.momentum = {n: np.zeros_like(v) for n, v in self.master.items()}
