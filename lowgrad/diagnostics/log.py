@@ -224,7 +224,7 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     where = os.fspath(path)
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
-    records = []
+    records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
