@@ -102,11 +102,13 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
     step) and ``arrays`` (this rank's :class:`Rows` of each named array; every rank the same
     names) at ``path``, a directory that must not exist yet; ``meta`` is JSON data every rank
     gives alike (rank 0's is kept). A collective over ``manager.comm``, between steps. Returns
-    the path. CheckpointError on every rank when any rank fails, and no checkpoint appears."""
-    arrays = _check_arrays(arrays, "save")
-    meta_text = json.dumps(dict(meta or {}))  # TypeError here for data JSON cannot hold
-    final = Path(path)
-    state = ManagerState.parse(manager.state_dict()).portable()  # ProtocolError inside a step
+    the path. CheckpointError on every rank when any rank fails (its arguments included: a
+    ``meta`` JSON cannot hold, a save inside a step), and no checkpoint appears."""
+    def check() -> tuple[Path, dict[str, Rows], str, dict[str, Any]]:
+        return (Path(path), _check_arrays(arrays, "save"),
+                json.dumps(dict(meta or {})),  # TypeError here for data JSON cannot hold
+                ManagerState.parse(manager.state_dict()).portable())  # ProtocolError inside a step
+    final, arrays, meta_text, state = agree(manager.comm, check, f"save {path}")
     token = manager.comm.host_allgather(secrets.token_hex(8).encode() if manager.rank == 0 else b"")[0].decode()
     tmp = durable.partial(final, token)  # this save's own: another save never writes into it
     lock: list[int] = []
@@ -199,18 +201,26 @@ def read(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows])
     """This rank's part of the checkpoint at ``path``, checked against ``manager`` and ``arrays``
     (templates: this rank's :class:`Rows` of each array, as :func:`save` was given them; their data
     gives only dtype and row count). Nothing changes: the caller applies what it got. A collective
-    over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint."""
-    arrays = _check_arrays(arrays, "read")
-    found, _ = agree(manager.comm, lambda: _read(Path(path), manager, arrays), f"load {path}",
-                     key=lambda got: got[1])
-    return found
+    over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint or
+    its arguments."""
+    return _read_agreed(path, manager, arrays, restoring=False)
 
 
 def load(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows]) -> Loaded:
     """:func:`read`, then the manager's state restored (placed at its rank and world): what an
-    engine without PyTorch calls, before applying ``Loaded.arrays`` to its own state."""
-    found = read(path, manager, arrays)
+    engine without PyTorch calls, before applying ``Loaded.arrays`` to its own state. A load
+    inside a step is refused with the rest, on every rank, before anything changes."""
+    found = _read_agreed(path, manager, arrays, restoring=True)
     manager.load_state_dict(found.manager.as_dict())
+    return found
+
+
+def _read_agreed(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows], restoring: bool) -> Loaded:
+    def attempt() -> tuple[Loaded, str]:
+        if restoring:
+            manager.state_dict()  # ProtocolError inside a step, where load_state_dict would raise it
+        return _read(Path(path), manager, _check_arrays(arrays, "read"))
+    found, _ = agree(manager.comm, attempt, f"load {path}", key=lambda got: got[1])
     return found
 
 
@@ -222,8 +232,9 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, st
         saved = resume_state(m["manager"], manager)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: manager: {e} (another run's checkpoint?)") from None
-    if m.get("layout") != _fingerprint(manager):
-        raise CheckpointError(f"{where}: another model: its layout differs from this manager's")
+    mine = _fingerprint(manager)
+    if m["layout"] != mine:
+        raise CheckpointError(f"{where}: another model: {_layout_difference(m['layout'], mine)}")
     names = set(m["arrays"])
     if names != set(wanted):
         raise CheckpointError(f"{where}: another model or optimizer: arrays missing "
@@ -235,6 +246,31 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, st
     # the manifest's content, not the path: ranks may reach one checkpoint by different paths
     identity = f"the checkpoint whose manifest's CRC-32 is {m['crc32']:08x} (step {saved.step}, world {m['world']})"
     return Loaded(out, saved, m["meta"], m["world"]), identity
+
+
+def _layout_difference(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """What first differs between a checkpoint's layout (the manifest's: any JSON object) and this
+    manager's (:func:`_fingerprint`): the parameter by name where one differs."""
+    for key, what in (("num_layers", "number of layers"), ("dtype", "gradient dtype")):
+        if saved.get(key) != mine[key]:
+            return f"its {what} is {saved.get(key)!r}, this manager's {mine[key]!r}"
+    for key, what in (("block", "block parameter"), ("non_block", "non-block parameter")):
+        ours = {name: shape for name, shape in mine[key]}
+        theirs = saved.get(key)
+        if not isinstance(theirs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                   for p in theirs):
+            return f"its {what}s are not a list of [name, shape] ({theirs!r:.60})"
+        shapes = {name: shape for name, shape in theirs}
+        for name in [*ours, *(n for n in shapes if n not in ours)]:
+            if name not in shapes:
+                return f"this manager's {what} {name!r} is not in it"
+            if name not in ours:
+                return f"its {what} {name!r} is not this manager's"
+            if shapes[name] != ours[name]:
+                return f"{what} {name!r} is {shapes[name]} there, {ours[name]} in this manager"
+        if theirs != mine[key]:
+            return f"its {what}s are in another order: {[p[0] for p in theirs][:6]}"
+    return f"its layout holds {sorted(saved)}, this manager's {sorted(mine)}"
 
 
 def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str, int]) -> np.ndarray:
