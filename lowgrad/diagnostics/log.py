@@ -162,16 +162,23 @@ class StepLog:
     def load_state_dict(self, state: Any) -> None:
         """Resume from a :meth:`state_dict` (a checkpoint's): the moving averages restored, and the
         next record preceded by the resumed line that supersedes the copies above it (the
-        module's docstring). Checked whole first on every rank: ValueError or TypeError naming
-        the entry, nothing changed. The next record's step should be the state's; another one is
-        a WARNING on the ``lowgrad`` logger (the averages then differ from an uninterrupted run's)."""
+        module's docstring). Checked whole first (:meth:`check_state`): ValueError or TypeError
+        naming the entry, nothing changed. The next record's step should be the state's; another
+        one is a WARNING on the ``lowgrad`` logger (the averages then differ from an
+        uninterrupted run's)."""
+        self.check_state(state)
+        self.ema.load_state_dict(state["ema"])
+        self._next, self._resumed = state["step"], True
+
+    def check_state(self, state: Any) -> None:
+        """What :meth:`load_state_dict` checks, changing nothing: for a caller that must know the
+        state loads before it changes anything else (``lowgrad.torch.load_checkpoint``)."""
         if not isinstance(state, dict) or set(state) != {"ema", "step"}:
             raise ValueError(f"a StepLog state holds exactly 'ema' and 'step', got {state!r:.80}")
         step = state["step"]
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"a StepLog state's step is an int >= 0 or None, got {step!r:.60}")
-        self.ema.load_state_dict(state["ema"])  # checked whole before it changes anything
-        self._next, self._resumed = step, True
+        self.ema.check_state(state["ema"])
 
     def _write(self, line: str, what: str) -> None:
         if self._file is None:  # closed, or stopped by a failed write

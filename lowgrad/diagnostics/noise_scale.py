@@ -126,6 +126,13 @@ class NoiseScaleEMA:
         checked whole first: ValueError naming the entry (TypeError for one of the wrong type)
         and nothing changed, for another decay than this one's, a duplicate key, a weight
         outside (0, 1] or anything not of the form above."""
+        self._sums = self._parse(state)
+
+    def check_state(self, state: Any) -> None:
+        """What :meth:`load_state_dict` checks, changing nothing."""
+        self._parse(state)
+
+    def _parse(self, state: Any) -> dict[Hashable, tuple[float, float, float]]:
         if not isinstance(state, dict) or set(state) != {"decay", "sums"}:
             raise ValueError(f"a NoiseScaleEMA state holds exactly 'decay' and 'sums', got {state!r:.80}")
         if state["decay"] != self.decay:
@@ -145,7 +152,7 @@ class NoiseScaleEMA:
             if key in sums:
                 raise ValueError(f"sums[{i}]: the key {key!r} twice")
             sums[key] = (float(values[0]), float(values[1]), float(values[2]))
-        self._sums = sums
+        return sums
 
 
 def _key_to_json(key: Hashable) -> Any:
