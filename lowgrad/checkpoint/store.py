@@ -333,18 +333,22 @@ def _verify(where: Path) -> dict[str, Any]:
     m = manifest.read(where)
     for name in m["files"]:
         _check_size(where, m, name)
-    for name, entry in sorted(m["arrays"].items()):
+    by_file: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+    for name, entry in m["arrays"].items():
         for c in entry["chunks"]:
-            with open(where / c["file"], "rb") as fh:
-                fh.seek(c["offset"])
+            by_file.setdefault(c["file"], []).append((c["offset"], name, c))
+    for file, chunks in sorted(by_file.items()):  # each file opened once, read front to back
+        with open(where / file, "rb") as fh:
+            for offset, name, c in sorted(chunks, key=lambda x: x[:2]):
+                fh.seek(offset)
                 crc, left = 0, c["bytes"]
                 while left:
                     piece = fh.read(min(left, _PIECE))
                     if not piece:
                         break  # the file shrank since its size was checked: the CRC-32 fails
                     crc, left = zlib.crc32(piece, crc), left - len(piece)
-            if left or crc != c["crc32"]:
-                raise _corrupted(where / c["file"], name, c)
+                if left or crc != c["crc32"]:
+                    raise _corrupted(where / file, name, c)
     return m
 
 
