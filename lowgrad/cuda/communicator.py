@@ -177,18 +177,18 @@ class Communicator(GpuCommBase):
 
     def _split_handle(self, color: int, key: int) -> int:
         """``ncclCommSplit`` of this communicator's handle into a child of this mode, settled.
-        On a non-blocking handle the split runs on NCCL's thread (ncclInProgress): the handle
+        On a non-blocking handle the split runs on NCCL's thread even when the call returned
+        ncclSuccess (NCCL 2.28 does: its group's ncclInProgress is not passed on): the handle
         refuses every call until its asynchronous state is ncclSuccess, and NCCL hands out the
-        child only then, so the handle is polled first (bounded by the timeout and the abort
-        event), then the child until it is ready. A blocking split returns complete (the
-        watchdog bounds it); its child is looked at once the same way."""
+        child only then. So the handle is polled first (bounded by the timeout and the abort
+        event; a blocking one answers ncclSuccess at once), then the child until it is ready."""
         with self._lock:
             self._live("split")
             with self._call(None):
-                cell, rc = nccl.comm_split(self.handle, color, key, self.blocking)
+                cell, _ = nccl.comm_split(self.handle, color, key, self.blocking)
         handle = 0
         try:
-            self._settle("ncclCommSplit", rc, self.timeout)
+            self._settle("ncclCommSplit", nccl.IN_PROGRESS, self.timeout)
             handle = cell.value or 0
             if not handle:
                 raise NcclError("ncclCommSplit", 3, "ncclInternalError", "the split completed without a communicator",
@@ -197,7 +197,7 @@ class Communicator(GpuCommBase):
         except BaseException:
             if handle:
                 nccl.comm_abort(handle)
-            elif rc == nccl.IN_PROGRESS:
+            else:
                 _ABANDONED_CELLS.append(cell)  # NCCL's thread may still write it
             raise
         return handle

@@ -239,10 +239,12 @@ def comm_split(comm: int, color: int, key: int, blocking: bool) -> tuple[c_void_
     (``splitShare`` 0) and ``blocking`` mode. Returns ``(newcomm, rc)``: ``newcomm`` is the
     ``ncclComm_t`` cell NCCL writes the child into. A blocking split blocks the host until every
     rank has called it and returns with the cell filled; ``ncclCommAbort`` of the parent ends it.
-    On a non-blocking parent (rc == IN_PROGRESS) the split runs on NCCL's own thread: the cell
-    stays NULL until :func:`comm_get_async_error` of the *parent* reports ncclSuccess (NCCL
-    writes it then), and the parent refuses every other call until that moment. So the caller
-    keeps the cell alive until then, and longer when it gives up: NCCL may still write it."""
+    On a non-blocking parent the split runs on NCCL's own thread, whatever rc says (NCCL 2.28
+    returns ncclSuccess there: the group's ncclInProgress is not passed on): the cell stays NULL
+    until :func:`comm_get_async_error` of the *parent* reports ncclSuccess (NCCL writes it
+    then), and the parent refuses every other call until that moment. So the caller polls the
+    parent, and keeps the cell alive until then, and longer when it gives up: NCCL may still
+    write it."""
     cfg = _config(blocking)
     cfg.splitShare = 0
     newcomm = c_void_p()
