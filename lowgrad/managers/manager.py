@@ -89,9 +89,9 @@ class GradientManager:
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats must be a bool, got {type(stats).__name__} {stats!r}")
-        if rounding is not None and cls.default_rounding is None:
+        if rounding is not None and not cls.rounds():
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
-                             "adds into the full gradients); choose a sharded strategy to pick a rounding")
+                             "adds into the full gradients); choose a strategy that rounds to pick a rounding")
         self.rounding = cls.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device

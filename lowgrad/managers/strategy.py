@@ -38,10 +38,11 @@ on every rank. The seeds of SR kernels come from ``ctx.counter`` (the step, the 
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from lowgrad import ops
 from lowgrad.base.dtypes import DType
@@ -55,6 +56,14 @@ from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter
 
 #: where the bound launches measure statistics: the sink their kernels write and its rows' layout
 StatsTarget = tuple[StatsSink, StatsRows]
+
+
+class MicroStepBytes(NamedTuple):
+    """A strategy's memory traffic in one micro-step (:meth:`Strategy.micro_step_bytes`)."""
+
+    device: int  #: read and written by its kernels (device memory, or pinned memory over PCIe)
+    exchange: int  #: moved through device memory by its collective where the ranks share one GPU
+    pcie: int  #: the part of ``device`` that crosses PCIe (offloaded shards)
 
 
 @dataclass(eq=False)
@@ -143,17 +152,59 @@ class StrategyContext:
 
 class Strategy(ABC):
     """One way of exchanging and accumulating the block gradients (the module docstring has the
-    life of one). ``name``: the ``strategy=`` it answers to; ``default_rounding``: the rounding
-    of a manager created without one (None: the strategy rounds nothing itself and accepts no
-    ``rounding``)."""
+    life of one). What callers ask of the class, never of its name (the demo, the tools, the
+    shared tests and the saved state read these):
+
+    - ``name``: the ``strategy=`` it answers to;
+    - ``default_rounding``: the rounding of a manager created without one; None: the strategy
+      rounds nothing itself and accepts no ``rounding`` (:meth:`rounds`);
+    - ``sharded``: True where the block gradients accumulate in this rank's 1/W shards; False
+      where every rank keeps the full gradients and its shards are views of them;
+    - ``offloads``: True where ``offload=True`` puts its shards in pinned host memory; False
+      refuses ``offload`` (:meth:`check`);
+    - :meth:`option_names`: the options of its own (``group_size``), from :meth:`check`;
+    - :meth:`micro_step_bytes`: a model of its memory traffic per micro-step (the copy-bandwidth
+      floors of ``lowgrad demo`` and ``tools/bench_manager.py``)."""
 
     name: ClassVar[str]
     default_rounding: ClassVar[str | None] = DEFAULT_ROUNDING
+    sharded: ClassVar[bool] = True
+    offloads: ClassVar[bool] = True
+
+    @classmethod
+    def rounds(cls) -> bool:
+        """Whether the strategy rounds its accumulation (takes ``rounding``, saves it in its state)."""
+        return cls.default_rounding is not None
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The strategy's own options: the keyword parameters of its :meth:`check`."""
+        params = inspect.signature(cls.check).parameters.values()
+        return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY
+                     or p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ("comm", "offload"))
+
+    @classmethod
+    def micro_step_bytes(cls, block_bytes: int, world: int, first: bool, offload: bool = False) -> MicroStepBytes:
+        """The bytes the strategy's own kernels move in one micro-step (``first``: micro-step 0)
+        for ``block_bytes`` of block gradients at ``world``: a model, not a measurement. The
+        default is a sharded strategy's (micro-step 0 copies this rank's 1/W slice into its shard:
+        read and write; later ones read the shard and the slice and write the shard), with the
+        exchange a reduce-scatter of the whole buffer, and offloaded shards read and written over
+        PCIe; a strategy that shards nothing moves nothing itself (the engine accumulates)."""
+        if not cls.sharded:
+            return MicroStepBytes(0, 0, 0)
+        shard = block_bytes // world
+        return MicroStepBytes((2 if first else 3) * shard, block_bytes + shard if world > 1 else 0,
+                              2 * shard if offload else 0)
 
     @classmethod
     def check(cls, comm: Any, offload: bool, **options: Any) -> dict[str, Any]:
         """Check ``offload`` and the strategy's own options before anything is allocated; the
-        options the constructor takes. A strategy without options refuses every one."""
+        options the constructor takes. A strategy without options refuses every one; one that
+        does not offload refuses ``offload=True``."""
+        if offload and not cls.offloads:
+            raise ValueError(f"offload applies to the strategies that keep their shards apart; the {cls.name} "
+                             "manager keeps full gradients on the device")
         if options:
             raise TypeError(f"the {cls.name} strategy takes no options; got {sorted(options)}")
         return {}
@@ -161,7 +212,7 @@ class Strategy(ABC):
     @classmethod
     def inline_refusal(cls, world: int, offload: bool) -> str | None:
         """Why the accumulation cannot run on the engine's stream here (None: it can)."""
-        if cls.default_rounding is None:
+        if not cls.rounds():
             return f"the {cls.name} manager accumulates nothing itself"
         if world > 1:
             return f"world is {world}: the accumulation follows the exchange"
