@@ -387,7 +387,7 @@ def test_block_runner_names_file_and_line(tmp_path: Path) -> None:
 def _summarize():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "summarize.py")
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "tools" / "summarize_benchmarks.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -399,13 +399,22 @@ benchmarks_here = pytest.mark.skipif(not (ROOT / "benchmarks" / "runs.json").is_
 
 
 @benchmarks_here
+def test_benchmarks_holds_records_not_code() -> None:
+    """benchmarks/ is data: each run's commands are text in its record (``run<NN>-commands.txt``),
+    and the one tool that reads the records is tools/summarize_benchmarks.py."""
+    code = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*")
+            if p.is_file() and (p.suffix in (".py", ".sh") or os.access(p, os.X_OK))]
+    assert not code, f"code under benchmarks/ (keep a record's commands as text): {code}"
+
+
+@benchmarks_here
 def test_benchmarks_summary_is_what_the_runs_give() -> None:
-    """The table at the top of BENCHMARKS.md is benchmarks/summarize.py's output for the committed
+    """The table at the top of BENCHMARKS.md is tools/summarize_benchmarks.py's output for the committed
     runs, to the character: edit benchmarks/runs.json or the run files, then regenerate."""
     s = _summarize()
     committed = s.committed_block((ROOT / "BENCHMARKS.md").read_text())
     assert committed == s.render(), ("BENCHMARKS.md's summary is not what benchmarks/runs.json gives: "
-                                     "run `python benchmarks/summarize.py` and commit the result")
+                                     "run `python tools/summarize_benchmarks.py` and commit the result")
 
 
 @benchmarks_here
