@@ -1,4 +1,4 @@
-"""A strategy registered at run time is a strategy like the others: ``all_reduce`` (full
+"""A strategy registered at run time is a strategy like the others: ``toy_all_reduce`` (full
 gradients on every rank, the engine accumulating into them, one all-reduce per tensor at the
 last micro-step; it rounds nothing, shards nothing and offloads nothing) is defined in this file
 alone, registered in ``STRATEGIES``, and the shared suites (managers, statistics, faults,
@@ -35,7 +35,7 @@ class AllReduce(Strategy):
     """Full gradients of every layer on every rank; at the last micro-step each tensor is
     all-reduced (average) in place, and this rank's shards are views of its rows."""
 
-    name = "all_reduce"
+    name = "toy_all_reduce"  # not a name lowgrad's own strategies would take
     default_rounding = None
     sharded = False
     offloads = False
@@ -94,7 +94,7 @@ def test_its_shards_are_the_mean_of_every_rank_and_its_state_loads(registered: N
     layout = lg.Layout(block=(lg.ParamSpec("w", (8, 4)),), non_block=(lg.ParamSpec("emb", (6, 4)),), num_layers=2)
 
     def job(comm: Any) -> tuple[np.ndarray, dict[str, Any]]:
-        gm = lg.create_gradient_manager(layout, comm, strategy="all_reduce", seed=5)
+        gm = lg.create_gradient_manager(layout, comm, strategy=AllReduce.name, seed=5)
         s = comm.device.stream()
         gm.start_micro_step(s, 0, 1)
         for name in ("emb",):
@@ -108,7 +108,7 @@ def test_its_shards_are_the_mean_of_every_rank_and_its_state_loads(registered: N
         gm.end_micro_step(s)
         shard = gm.block_shard(1, s)["w"].numpy().astype(np.float64)
         state = gm.state_dict()
-        again = lg.create_gradient_manager(layout, comm, strategy="all_reduce")
+        again = lg.create_gradient_manager(layout, comm, strategy=AllReduce.name)
         again.load_state_dict(state)  # a strategy that rounds nothing loads its own state
         assert (again.step, again.base_seed, again.rounding) == (1, 5, None)
         again.close()
@@ -118,7 +118,7 @@ def test_its_shards_are_the_mean_of_every_rank_and_its_state_loads(registered: N
     results = lg.run_threads(2, job, backend="host")
     for shard, state in results:
         assert (shard == 1.5).all()  # the mean of ranks 0 and 1 at layer 1: (1 + 2) / 2
-        assert state["strategy"] == "all_reduce" and "rounding" not in state
+        assert state["strategy"] == AllReduce.name and "rounding" not in state
 
 
 def test_the_class_answers_what_callers_ask(registered: None) -> None:
@@ -126,7 +126,7 @@ def test_the_class_answers_what_callers_ask(registered: None) -> None:
         False, False, False, ())
     with pytest.raises(ValueError, match="keeps full gradients"):
         lg.run_threads(1, lambda c: lg.create_gradient_manager(
-            lg.Layout(block=(lg.ParamSpec("w", (8, 4)),), non_block=(), num_layers=1), c, strategy="all_reduce",
+            lg.Layout(block=(lg.ParamSpec("w", (8, 4)),), non_block=(), num_layers=1), c, strategy=AllReduce.name,
             offload=True))
 
 
@@ -139,9 +139,9 @@ def test_the_demo_runs_it(registered: None, tmp_path: Path, capsys: pytest.Captu
 
     js = tmp_path / "demo.json"
     assert main(["demo", "--backend", "host", "--world", "2", "--micro-steps", "3", "--steps", "2",
-                 "--strategy", "all_reduce", "--json", str(js)]) == 0, capsys.readouterr().out
+                 "--strategy", AllReduce.name, "--json", str(js)]) == 0, capsys.readouterr().out
     rows = json.loads(js.read_text())
-    assert [(r["strategy"], r["offload"], r["passed"]) for r in rows] == [("all_reduce", False, True)]
+    assert [(r["strategy"], r["offload"], r["passed"]) for r in rows] == [(AllReduce.name, False, True)]
 
 
 @pytest.mark.timeout(1200)
