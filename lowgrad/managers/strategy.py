@@ -18,7 +18,8 @@ A strategy's life, for one rank (``ctx``: its :class:`StrategyContext`)::
     s = Strategy(ctx, **options)     # allocate: full buffers, shards, their events
                                      # (a collective where it splits the communicator)
     s.bind(target)                   # pack the per-layer launches; again when the statistics are
-                                     # allocated (target: where they measure, or None)
+                                     # allocated (target: where they measure, or None); assigns
+                                     # its attributes, never changes one in place (see bind)
     per micro-step, per layer L-1 .. 0 (the manager has checked the call and recorded it):
         full, accumulate = s.block_full(layer, stream)  # what the engine writes the layer into
         s.notify(layer, stream)      # queue the layer's exchange and accumulation: on
@@ -40,9 +41,9 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from lowgrad import ops
 from lowgrad.base.dtypes import DType
@@ -50,7 +51,7 @@ from lowgrad.buffers.streams import StreamLike
 from lowgrad.buffers.tensor import Container, Tensor
 from lowgrad.contracts.kernels import StatsSink
 from lowgrad.managers.layout import Layout, ParamSpec
-from lowgrad.managers.protocol import MicroStepState
+from lowgrad.managers.protocol import HostState
 from lowgrad.managers.stats import StatsRows
 from lowgrad.sr.seedcounter import DEFAULT_ROUNDING, SeedCounter
 
@@ -66,18 +67,40 @@ class MicroStepBytes(NamedTuple):
     pcie: int  #: the part of ``device`` that crosses PCIe (offloaded shards)
 
 
-@dataclass(eq=False)
-class StrategyContext:
-    """What the manager lends a strategy: the rank's communicator and device, the layout, the
-    gradient dtype and rounding, the communication stream (``comm_stream`` and its raw handle),
-    the seed counter, and the protocol's event calls and micro-step position; ``comm_done``: the
-    event the manager records on the communication stream at the end of each micro-step.
+class EventOrder(Protocol):
+    """How events are recorded and waited for (the manager's :class:`~lowgrad.managers.replay.Capture`):
+    inside a graph capture a wait on work recorded outside it is skipped."""
 
-    ``record(event, stream)`` / ``wait(event, stream)``: record an event on a stream and make a
-    stream wait for it (through these, so that a graph capture skips waits on work recorded
-    outside it); ``join(stream)``: the communication stream waits for ``stream``'s work so far;
-    ``inline``: the strategy accumulates on the engine's stream (the manager decided it from
-    :meth:`Strategy.inline_refusal` and the user's ``inline``)."""
+    def record(self, event: Any, stream: StreamLike) -> None: ...
+
+    def wait(self, event: Any, stream: StreamLike) -> None: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class StrategyContext:
+    """What the manager lends a strategy, by name: the rank's communicator (``comm``; ``rank``,
+    ``world``, ``device`` from it), the ``layout``, the gradient ``dtype`` and ``rounding``, the
+    user's ``offload`` and the manager's ``inline`` decision (accumulate on the engine's stream:
+    from :meth:`Strategy.inline_refusal` and the user's ``inline``), the communication stream
+    (``comm_stream``, its raw handle ``comm_handle``), the seed ``counter``, and the events the
+    manager owns: ``comm_done`` (recorded on the communication stream at the end of every
+    micro-step), ``group_done`` (a group of collectives on the communication stream reuses it)
+    and ``engine_done`` (:meth:`join`'s).
+
+    The verbs a strategy calls, and their contract (none calls back into the manager: a layer's
+    micro-step crosses from the manager to its strategy twice, ``block_full`` and ``notify``, and
+    never back; ``tests/test_strategy.py`` counts):
+
+    - :meth:`record` / :meth:`wait`: record an event on a stream, make a stream wait for one;
+      always through these, never ``event.record`` / ``event.wait``, so that a graph capture
+      skips waits on work recorded outside it;
+    - :meth:`join`: the communication stream waits for a stream's work so far (before ``notify``
+      queues the exchange of what the engine wrote there);
+    - :attr:`micro`, :attr:`first`, :attr:`last`: the micro-step in progress, read from the
+      protocol's state (never kept: a failed discard replaces it);
+    - :meth:`container`, :meth:`zero_init`, :meth:`shard_offset`, :meth:`reduce_scatter_all`:
+      a layer's tensors named by the layout, zeroed where the layout says, the noise index of a
+      slice, one grouped reduce-scatter of a layer."""
 
     layout: Layout
     comm: Any
@@ -88,12 +111,24 @@ class StrategyContext:
     comm_stream: Any
     comm_handle: int
     counter: SeedCounter
-    record: Callable[[Any, StreamLike], None]
-    wait: Callable[[Any, StreamLike], None]
-    join: Callable[[StreamLike], None]
-    state: Callable[[], MicroStepState]  # the protocol's state now (it is replaced after a failed discard)
-    group_done: Any  # the event a group of collectives on the communication stream reuses
-    comm_done: Any  # recorded on the communication stream at the end of every micro-step
+    events: EventOrder
+    host: HostState  # the protocol's state is host.protocol (replaced after a failed discard)
+    group_done: Any
+    comm_done: Any
+    engine_done: Any
+
+    def record(self, event: Any, stream: StreamLike) -> None:
+        """Record ``event`` on ``stream`` (a capture in progress notes it)."""
+        self.events.record(event, stream)
+
+    def wait(self, event: Any, stream: StreamLike) -> None:
+        """``stream`` waits for ``event`` (inside a capture: only for an event recorded in it)."""
+        self.events.wait(event, stream)
+
+    def join(self, stream: StreamLike) -> None:
+        """The communication stream waits for ``stream``'s work so far."""
+        self.record(self.engine_done, stream)
+        self.wait(self.engine_done, self.comm_stream)
 
     @property
     def rank(self) -> int:
@@ -110,17 +145,17 @@ class StrategyContext:
     @property
     def micro(self) -> int:
         """The micro-step in progress (or the last one started)."""
-        return self.state().micro
+        return self.host.protocol.micro
 
     @property
     def first(self) -> bool:
         """The micro-step in progress is its step's first."""
-        return self.state().micro == 0
+        return self.host.protocol.micro == 0
 
     @property
     def last(self) -> bool:
         """The micro-step in progress is its step's last."""
-        return self.state().last
+        return self.host.protocol.last
 
     def container(self, tensors: list[Tensor]) -> Container:
         """A layer's tensors named as the layout's block parameters."""
@@ -233,7 +268,14 @@ class Strategy(ABC):
 
     def bind(self, target: StatsTarget | None) -> None:  # noqa: B027 - a hook whose default binds nothing
         """Check and pack the per-layer launches once (again when the statistics are allocated:
-        ``target`` says where they measure)."""
+        ``target`` says where they measure).
+
+        Bind by *assigning* attributes (``self.launches = [...]``), never by changing one in
+        place (``self.launches.append``, ``self.launches[l] = ...``): when the statistics'
+        allocation fails half-way (out of memory), the manager puts back the strategy's
+        ``__dict__`` as it was before this call (a shallow copy: the old objects, not copies of
+        them), so the launches bound before stay whole and a graph captured before still writes
+        where they did (``Statistics.alloc``)."""
 
     @abstractmethod
     def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
