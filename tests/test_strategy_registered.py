@@ -21,9 +21,9 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.buffers.streams import StreamLike
-from lowgrad.buffers.tensor import Container, Tensor, shard_view
 from lowgrad.managers import STRATEGIES
-from lowgrad.managers.strategy import Strategy, StrategyContext
+from lowgrad.managers.strategies.unsharded import Unsharded
+from lowgrad.managers.strategy import StatsTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the suites parametrized over STRATEGIES (helpers.strategy_configs)
@@ -31,32 +31,18 @@ SUITES = ("test_managers.py", "test_manager_stats.py", "test_manager_faults.py",
           "test_torch_adapter.py", "test_torch_checkpoint.py", "test_torch_faults.py")
 
 
-class AllReduce(Strategy):
-    """Full gradients of every layer on every rank; at the last micro-step each tensor is
-    all-reduced (average) in place, and this rank's shards are views of its rows."""
+class AllReduce(Unsharded):
+    """``unsharded``'s buffers (full gradients of every layer, the engine accumulating into them,
+    shards that are views of this rank's rows), another exchange: at the last micro-step each
+    tensor is all-reduced (average) in place, and no local statistics are measured."""
 
     name = "toy_all_reduce"  # not a name lowgrad's own strategies would take
-    default_rounding = None
-    sharded = False
-    offloads = False
 
-    def __init__(self, ctx: StrategyContext) -> None:
-        self.ctx = ctx
-        lazy = ctx.device.lazy_allocator("device")
-        self.tensors = [[lazy.alloc(s.shape, ctx.dtype, "block_grad") for s in ctx.layout.block]
-                        for _ in range(ctx.layout.num_layers)]
-        lazy.commit()
-        self.containers = [ctx.container(ts) for ts in self.tensors]
+    def stats_kinds(self) -> tuple[bool, str | None]:
+        return False, None
 
-    def block_full(self, layer: int, stream: StreamLike) -> tuple[Container, bool]:
-        ctx = self.ctx
-        if ctx.first:
-            ctx.wait(ctx.comm_done, stream)  # the previous step's all-reduces have finished
-            ctx.zero_init(self.tensors[layer], stream)
-        return self.full(layer), not ctx.first
-
-    def full(self, layer: int) -> Container:
-        return self.containers[layer]
+    def bind(self, target: StatsTarget | None) -> None:
+        pass  # nothing to pack: one all-reduce per tensor
 
     def notify(self, layer: int, stream: StreamLike) -> None:
         ctx = self.ctx
@@ -65,15 +51,6 @@ class AllReduce(Strategy):
             with ctx.comm.group(ctx.comm_stream, event=ctx.group_done):
                 for t in self.tensors[layer]:
                     ctx.comm.all_reduce(t, op="avg", stream=ctx.comm_stream)
-
-    def block_shard(self, layer: int) -> Container:
-        return self.ctx.container([shard_view(t, self.ctx.rank, self.ctx.world) for t in self.tensors[layer]])
-
-    def shards(self) -> list[Tensor]:
-        return [shard_view(t, self.ctx.rank, self.ctx.world) for ts in self.tensors for t in ts]
-
-    def owned(self) -> list[Tensor]:
-        return [t for ts in self.tensors for t in ts]
 
 
 def register() -> None:
