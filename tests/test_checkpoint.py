@@ -20,6 +20,7 @@ from typing import Any, cast
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 from lowgrad import checkpoint
@@ -30,8 +31,7 @@ LAYOUT = lg.Layout(block=(lg.ParamSpec("w", (12, 4)), lg.ParamSpec("b", (12,))),
 SPECS = {f"layers.{l}.{s.name}": s for l in range(LAYOUT.num_layers) for s in LAYOUT.block} | {
     s.name: s for s in LAYOUT.non_block}
 M = 2
-CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
-           ("all_to_all", True)]
+CONFIGS = strategy_configs()
 
 
 def _grad(shape: tuple[int, ...], *key: Any) -> np.ndarray:

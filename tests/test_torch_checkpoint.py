@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 
@@ -148,8 +149,7 @@ def resumes_bit_for_bit(world: int, save: Any, load: Any, **kw: Any) -> None:
         same(a, b)
 
 
-CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
-           ("all_to_all", True)]
+CONFIGS = strategy_configs()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
