@@ -133,6 +133,25 @@ def float_list(text: str) -> list[float]:
     return values
 
 
+PLOT_EXTRA = 'pip install ".[plot]" (or pip install matplotlib)'
+
+
+def has_matplotlib() -> bool:
+    """Whether matplotlib (the plot extra) imports here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_matplotlib(what: str = "needs matplotlib") -> None:
+    """:class:`CannotRun` (``what`` and how to install it) unless matplotlib imports: a tool that
+    was asked for a plot checks before it runs, not after."""
+    if not has_matplotlib():
+        raise CannotRun(f"{what}: {PLOT_EXTRA}")
+
+
 def needs_gpu(reason: str, host_hint: str | None = None) -> str:
     """The line for a missing GPU, with how to run without one where the tool can."""
     text = f"needs an NVIDIA GPU and driver (CUDA backend): {reason}"
