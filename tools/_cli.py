@@ -32,7 +32,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +77,12 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(CANNOT_RUN, f"{self.tool}: error: {one_line(message)} (see --help)\n")
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         """argparse's, but an argument the tool does not know is named before a required one that
         is missing (argparse checks the required ones first: ``grad_report.py --bogus`` would say
         that ``--log`` is missing, not that ``--bogus`` is unknown). A first pass with nothing
         required finds the unknown ones."""
+        args = None if args is None else list(args)  # read twice
         required = [action for action in self._actions if action.required]
         if required:
             for action in required:
