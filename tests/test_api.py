@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _modules() -> list[object]:
-    optional = set() if importlib.util.find_spec("torch") else {"lowgrad.torch"}  # imports PyTorch, an extra
+    # lowgrad.torch and its modules import PyTorch, an extra
+    optional = () if importlib.util.find_spec("torch") else ("lowgrad.torch",)
     names = [m.name for m in pkgutil.walk_packages(lowgrad.__path__, "lowgrad.")
-             if m.name != "lowgrad.__main__" and m.name not in optional]
+             if m.name != "lowgrad.__main__" and not any(m.name == o or m.name.startswith(o + ".") for o in optional)]
     return [lowgrad, *(importlib.import_module(n) for n in names)]
 
 

@@ -8,6 +8,7 @@ NCCL itself does (that ncclCommAbort ends a call blocked in the host) is the GPU
 (tests/test_cuda_communicator_faults_gpu.py)."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import threading
 import time
@@ -62,12 +63,26 @@ class Device(HostDevice):
 
 
 class FakeNccl:
-    """What lowgrad.cuda.communicator calls of lowgrad.cuda.nccl, with knobs."""
+    """What lowgrad.cuda.communicator calls of lowgrad.cuda.nccl, with knobs, behaving as NCCL
+    documents its communicators (not only its happy path):
+
+    - a call on a *non-blocking* communicator (init, split, finalize, a collective, a group's
+      end) may return ncclInProgress: here every one does, and the communicator's
+      ``ncclCommGetAsyncError`` answers ncclInProgress ``polls`` more times before ncclSuccess;
+    - until then any other call on it (ncclCommAbort excepted) fails as NCCL fails it:
+      ncclInvalidArgument, last error "Attempt to use communicator before the previous operation
+      returned ncclSuccess";
+    - a split hands out its child only once it has completed: the ``ncclComm_t`` cell stays NULL
+      until the parent's state is ncclSuccess (a non-blocking child then initialises for
+      ``polls`` more polls of its own), and a call on a NULL communicator fails ("comm argument
+      is NULL");
+    - a call on a communicator already destroyed or aborted is a use after free: the test fails.
+    A blocking communicator's calls return complete (ncclSuccess)."""
 
     SUCCESS, IN_PROGRESS, UNIQUE_ID_BYTES = 0, 7, 128
 
-    def __init__(self, world: int = 2, rank: int = 0) -> None:
-        self.world, self.rank = world, rank
+    def __init__(self, world: int = 2, rank: int = 0, polls: int = 2) -> None:
+        self.world, self.rank, self.polls = world, rank, polls
         self.completes = True  # the device work of each call completes at once
         self.block_host = False  # the next collective blocks the host until an abort
         self.async_error = 0
@@ -78,13 +93,41 @@ class FakeNccl:
         self.freed_queries = 0
         self.watchdogs_at_abort: list[int] = []  # watchdog threads alive at each ncclCommAbort
         self.aborted: set[int] = set()
+        self.destroyed: set[int] = set()
         self.abort_flag = threading.Event()
+        self.blocking: dict[int, bool] = {}  # handle -> made blocking
+        self.pending: dict[int, int] = {}  # handle -> polls that still answer ncclInProgress
+        self.on_done: dict[int, Any] = {}  # handle -> what completes with its pending operation
+        self.grouped: set[int] = set()  # communicators with calls in the open group
+        self.group_depth = 0
         self._next = 100
         self.lock = threading.Lock()
 
-    def _handle(self) -> int:
+    def _handle(self, blocking: bool) -> int:
         self._next += 1
+        self.blocking[self._next] = blocking
         return self._next
+
+    def _use(self, call: str, comm: int) -> None:
+        """NCCL's checks at the start of a call on ``comm``."""
+        if not comm:
+            raise NcclError(call, 4, "ncclInvalidArgument", "invalid argument", f"{call} : comm argument is NULL")
+        assert comm not in self.destroyed, f"{call} on a destroyed communicator (a use after free)"
+        assert comm not in self.aborted or call == "ncclGroupEnd", f"{call} on an aborted communicator"
+        if self.pending.get(comm):
+            raise NcclError(call, 4, "ncclInvalidArgument", "invalid argument",
+                            "Attempt to use communicator before the previous operation returned ncclSuccess")
+
+    def _start(self, comm: int, then: Any = None) -> int:
+        """The operation just issued on ``comm``: complete now (blocking) or in progress."""
+        if self.blocking[comm]:
+            if then is not None:
+                then()
+            return self.SUCCESS
+        self.pending[comm] = self.polls
+        if then is not None:
+            self.on_done[comm] = then
+        return self.IN_PROGRESS
 
     # the binding's surface
     def lib(self) -> None:
@@ -97,52 +140,89 @@ class FakeNccl:
         return NcclError(call, code, f"code{code}", "stand-in error", "")
 
     def comm_init_rank(self, world: int, uid: bytes, rank: int, blocking: bool = False) -> tuple[int, int]:
-        h = self._handle()
+        h = self._handle(blocking)
         self.calls.append(("init", (h, blocking)))
-        return h, self.IN_PROGRESS
+        return h, self._start(h)
 
-    def comm_split(self, comm: int, color: int, key: int, blocking: bool) -> tuple[int, int]:
-        h = self._handle()
+    def comm_split(self, comm: int, color: int, key: int, blocking: bool) -> tuple[ctypes.c_void_p, int]:
+        self._use("ncclCommSplit", comm)
+        h = self._handle(blocking)
         self.calls.append(("split", (comm, h, color, key, blocking)))
-        return h, 0 if blocking else self.IN_PROGRESS
+        cell = ctypes.c_void_p()
+
+        def hand_out() -> None:
+            cell.value = h
+            if not blocking:
+                self.pending[h] = self.polls  # the child's own initialisation
+        return cell, self._start(comm, hand_out)
 
     def comm_rank_world(self, comm: int) -> tuple[int, int]:
+        self._use("ncclCommUserRank", comm)
         return self.rank, self.world
 
     def comm_get_async_error(self, comm: int) -> int:
-        if comm in self.aborted:
+        if not comm:
+            raise NcclError("ncclCommGetAsyncError", 4, "ncclInvalidArgument", "invalid argument",
+                            "CommGetAsyncError : comm argument is NULL")
+        if comm in self.aborted or comm in self.destroyed:
             self.freed_queries += 1  # a use after free on a real NCCL
+        with self.lock:  # the watchdog's thread polls too
+            left = self.pending.get(comm, 0)
+            if left:
+                self.pending[comm] = left - 1
+                if left == 1 and comm in self.on_done:
+                    self.on_done.pop(comm)()
+                return self.IN_PROGRESS
         return self.async_error
 
     def comm_finalize(self, comm: int) -> int:
+        self._use("ncclCommFinalize", comm)
         self.calls.append(("finalize", comm))
-        return 0
+        return self._start(comm)
 
     def comm_destroy(self, comm: int) -> None:
+        self._use("ncclCommDestroy", comm)
         self.calls.append(("destroy", comm))
+        self.destroyed.add(comm)
 
     def comm_abort(self, comm: int) -> None:
+        assert comm not in self.destroyed, "ncclCommAbort on a destroyed communicator (a use after free)"
         self.calls.append(("abort", comm))
         self.watchdogs_at_abort.append(len([t for t in watchdog_threads() if t is not threading.current_thread()]))
         self.aborted.add(comm)
+        self.pending.pop(comm, None)
         self.abort_flag.set()
         for e in self.events:  # NCCL's kernels exit
             e.done = True
 
     def group_start(self) -> None:
         self.calls.append(("ncclGroupStart", None))
+        self.group_depth += 1
 
     def group_end(self) -> int:
-        return self._collective("ncclGroupEnd", None)
+        self.group_depth -= 1
+        comms, self.grouped = self.grouped, set()
+        rc = self._collective("ncclGroupEnd", None)
+        for comm in comms:  # a group of non-blocking communicators is in progress on each
+            if comm not in self.aborted and self._start(comm):
+                rc = self.IN_PROGRESS
+        return rc
 
-    def _collective(self, name: str, comm: int) -> int:
+    def _collective(self, name: str, comm: int | None) -> int:
+        if comm is not None:
+            self._use(name, comm)
         self.calls.append((name, comm))
         if self.block_host:  # NCCL's lazy connection setup, waiting for a peer: only an abort ends it
             self.block_host = False
             if not self.abort_flag.wait(30):
                 raise AssertionError("the blocked call was never aborted")
             raise NcclError(name, 3, "ncclInternalError", "aborted", "")
-        return 0
+        if comm is None:
+            return self.SUCCESS
+        if self.group_depth:  # queued into the open group: its end launches it
+            self.grouped.add(comm)
+            return self.SUCCESS
+        return self._start(comm)
 
     def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> int:
         return self._collective("ncclAllReduce", comm)
@@ -202,6 +282,60 @@ def test_nonblocking_mode_has_no_watchdog_and_polls(fake: FakeNccl) -> None:
     comm.all_reduce(t)
     comm.wait()
     assert fake.records == 0
+    comm.close()
+
+
+def test_the_stand_in_refuses_what_nccl_refuses(fake: FakeNccl) -> None:
+    """The stand-in itself: a call before the previous one completed, a NULL communicator, a
+    split's child before its parent completed, as NCCL 2.28 answered on an H100."""
+    h, rc = fake.comm_init_rank(2, bytes(128), 0)
+    assert rc == fake.IN_PROGRESS
+    with pytest.raises(NcclError, match="before the previous operation returned ncclSuccess"):
+        fake.comm_finalize(h)
+    while fake.comm_get_async_error(h) == fake.IN_PROGRESS:
+        pass
+    cell, rc = fake.comm_split(h, 0, 0, False)
+    assert rc == fake.IN_PROGRESS and cell.value is None
+    with pytest.raises(NcclError, match="comm argument is NULL"):
+        fake.comm_rank_world(cell.value or 0)
+    while fake.comm_get_async_error(h) == fake.IN_PROGRESS:
+        pass
+    assert cell.value and fake.comm_get_async_error(cell.value) == fake.IN_PROGRESS  # its own init
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_every_call_waits_for_the_previous_one_to_complete(fake: FakeNccl, blocking: bool) -> None:
+    """Non-blocking: each collective, group and split returns ncclInProgress and the next call
+    comes only once the communicator reports ncclSuccess; a split's child is used only once it
+    exists and is ready; close finalizes, waits, then destroys (each step refused otherwise)."""
+    comm, _, t = make(fake, blocking=blocking)
+    for _ in range(3):
+        comm.all_reduce(t)
+        comm.reduce_scatter(t)
+        with comm.group():
+            comm.send(t, 1)
+            comm.recv(t, 1)
+        comm.all_to_all_many([t])
+    fake.rank, fake.world = 0, 1
+    child = comm.split(4)
+    assert child.handle and not fake.pending.get(child.handle)
+    child.all_reduce(t)
+    child.close()
+    comm.barrier()
+    comm.close()
+    assert fake.destroyed >= {comm.handle, child.handle} and not fake.aborted
+
+
+def test_a_split_that_never_completes_times_out_and_keeps_nccls_cell(fake: FakeNccl) -> None:
+    comm, _, _ = make(fake, blocking=False)
+    fake.polls = 10**9
+    cells = len(cuda_comm._ABANDONED_CELLS)
+    t0 = time.monotonic()
+    with pytest.raises(lg.CommTimeoutError, match="ncclCommSplit"):
+        comm.split(1)
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + MARGIN
+    assert comm.aborted and fake.aborted == {comm.handle}
+    assert len(cuda_comm._ABANDONED_CELLS) == cells + 1  # NCCL's thread may still write it
     comm.close()
 
 

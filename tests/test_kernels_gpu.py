@@ -470,6 +470,37 @@ def test_norm_squared_pinned_misaligned_empty(gpu: lg.Device) -> None:
         assert float(o.numpy()[0]) == 0.0
 
 
+def test_norms_of_threads_sharing_a_stream_do_not_mix(gpu: lg.Device) -> None:
+    """Ranks as threads of one process on one GPU (the loopback) queue their norms on the same
+    stream (the legacy stream, ``stream=None``): each norm is its own tensor's, never a mix of
+    partial sums (the two stages share a per-stream workspace; at aa19078 a world-2 manager's
+    grad_norm_squared came out 10-20 % low)."""
+    import threading
+    rng, seed = _rng()
+    xs = [rng.standard_normal(300_001).astype(np.float32) * (k + 1) for k in range(4)]
+    refs = [float(np.sum(np.square(x.astype(np.float64)))) for x in xs]
+    txs = [lg.from_numpy(x, gpu, name=f"x{k}") for k, x in enumerate(xs)]
+    outs = [gpu.alloc(1, lg.fp64, name=f"norm{k}") for k in range(4)]
+    bad: list[str] = []
+    start = threading.Barrier(4)
+
+    def rank(k: int) -> None:
+        start.wait()
+        for i in range(200):
+            lg.ops.norm_squared(txs[k], outs[k], accumulate=i > 0)
+    threads = [threading.Thread(target=rank, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gpu.synchronize()
+    for k in range(4):
+        got, want = float(outs[k].numpy()[0]), 200 * refs[k]
+        if abs(got - want) > 1e-9 * want:
+            bad.append(f"thread {k}: {got!r} vs {want!r}")
+    assert not bad, f"rng={seed}: {bad}"
+
+
 def test_launches_look_nothing_up_after_the_first(gpu: lg.Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A launch's hot path takes its kernels from caches: after one norm_squared and one add_sr
     per dtype pair, the kernel tables and the kernel directory are never read again (a 0.5B

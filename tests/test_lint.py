@@ -47,7 +47,7 @@ def test_ruff_finds_nothing() -> None:
 
 @pytest.mark.timeout(300)
 def test_mypy_finds_nothing() -> None:
-    # lowgrad/torch.py, tools/fault_soak.py and examples/train_transformer.py are checked against
+    # lowgrad/torch/, tools/fault_soak.py and examples/train_transformer.py are checked against
     # torch's own annotations (CI installs the torch it pins), and their imports must resolve: with
     # the test extra alone, mypy reports those imports missing (and the `type: ignore`s that torch's
     # annotations need unused), so the check needs the torch extra and transformers

@@ -107,9 +107,12 @@ def _poll() -> None:
 release.add_poller(_poll)
 
 
-def check_request(device: tuple[int, int], max_version: Any, dl_device: Any, copy: Any) -> bool:
-    """Validate ``__dlpack__``'s arguments; True for a versioned capsule. BufferError for what
-    cannot be done without a copy, TypeError/ValueError for malformed arguments."""
+def check_request(device: tuple[int, int], max_version: Any, dl_device: Any, copy: Any) -> tuple[bool, tuple[int, int]]:
+    """Validate ``__dlpack__``'s arguments for memory on DLPack ``device``: (versioned capsule?,
+    the device to name in it). Memory both sides address (``kDLCUDAHost``) is also exported as
+    ``kDLCPU`` when the consumer asks for it (the same memory, no copy: PyTorch 2.11 refuses
+    ``kDLCUDAHost``). BufferError for what cannot be done without a copy, TypeError/ValueError
+    for malformed arguments."""
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"__dlpack__ copy must be None or a bool, got {copy!r}")
     if copy:
@@ -117,14 +120,16 @@ def check_request(device: tuple[int, int], max_version: Any, dl_device: Any, cop
     if dl_device is not None:
         if not (isinstance(dl_device, tuple) and len(dl_device) == 2):
             raise TypeError(f"__dlpack__ dl_device must be a (device_type, device_id) tuple, got {dl_device!r}")
-        if tuple(dl_device) != device:
+        if device[0] == KDL_CUDA_HOST and tuple(dl_device) == (KDL_CPU, 0):
+            device = (KDL_CPU, 0)
+        elif tuple(dl_device) != device:
             raise BufferError(f"cannot export to DLPack device {dl_device} without a copy; the tensor is on {device}")
     if max_version is None:
-        return False
+        return False, device
     if not (isinstance(max_version, tuple) and len(max_version) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in max_version)):
         raise TypeError(f"__dlpack__ max_version must be a (major, minor) tuple of ints, got {max_version!r}")
-    return max_version[0] >= 1
+    return max_version[0] >= 1, device
 
 
 def to_capsule(tensor: Any, device: tuple[int, int], max_version: tuple[int, int] | None) -> Any:

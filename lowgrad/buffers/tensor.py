@@ -188,8 +188,7 @@ class Tensor:
         consumer passes ``max_version`` >= (1, 0), legacy otherwise. The memory stays valid until
         the consumer releases the view, whatever is closed meanwhile. The consumer's ``stream``
         is not synchronised with lowgrad's streams: order work through events before sharing."""
-        device = self._dl_device()
-        versioned = dlpack.check_request(device, max_version, dl_device, copy)
+        versioned, device = dlpack.check_request(self._dl_device(), max_version, dl_device, copy)
         return dlpack.to_capsule(self, device, max_version if versioned else None)
 
     def __dlpack_device__(self) -> tuple[int, int]:

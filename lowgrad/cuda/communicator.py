@@ -66,6 +66,9 @@ _RING = 256  # events per communicator: calls whose completion the watchdog can 
 # seconds an abort waits for the communicator's lock: a call holding it longer is blocked in the
 # host inside NCCL (connection setup), and only ncclCommAbort, which cannot wait for it, ends it
 _LOCK_WAIT = 0.2
+# the ncclComm_t cells of non-blocking splits given up before NCCL filled them (a timeout, an
+# abort): NCCL's thread may still write one, so each is kept for the process's life (8 bytes)
+_ABANDONED_CELLS: list[Any] = []
 
 
 def blocking_mode(blocking: Any = None) -> bool:
@@ -173,23 +176,37 @@ class Communicator(GpuCommBase):
         self._retire(parent)
 
     def _split_handle(self, color: int, key: int) -> int:
-        """``ncclCommSplit`` of this communicator into a child of this mode, settled (a
-        non-blocking child is polled; a blocking split is bounded by the watchdog)."""
+        """``ncclCommSplit`` of this communicator's handle into a child of this mode, settled.
+        On a non-blocking handle the split runs on NCCL's thread (ncclInProgress): the handle
+        refuses every call until its asynchronous state is ncclSuccess, and NCCL hands out the
+        child only then, so the handle is polled first (bounded by the timeout and the abort
+        event), then the child until it is ready. A blocking split returns complete (the
+        watchdog bounds it); its child is looked at once the same way."""
         with self._lock:
             self._live("split")
             with self._call(None):
-                handle, rc = nccl.comm_split(self.handle, color, key, self.blocking)
-        if rc == nccl.IN_PROGRESS:
-            try:
-                self._poll("ncclCommSplit", self.timeout, partial(_settled, "ncclCommSplit", handle))
-            except BaseException:
+                cell, rc = nccl.comm_split(self.handle, color, key, self.blocking)
+        handle = 0
+        try:
+            self._settle("ncclCommSplit", rc, self.timeout)
+            handle = cell.value or 0
+            if not handle:
+                raise NcclError("ncclCommSplit", 3, "ncclInternalError", "the split completed without a communicator",
+                                "")
+            self._poll("ncclCommSplit", self.timeout, partial(_settled, "ncclCommSplit", handle))
+        except BaseException:
+            if handle:
                 nccl.comm_abort(handle)
-                raise
+            elif rc == nccl.IN_PROGRESS:
+                _ABANDONED_CELLS.append(cell)  # NCCL's thread may still write it
+            raise
         return handle
 
     def _retire(self, handle: int) -> None:
-        """Finalize and destroy the non-blocking ``handle`` this communicator was split from (it
-        has no work left); aborted when that fails or takes longer than the timeout."""
+        """Finalize and destroy the non-blocking ``handle`` this communicator was split from (its
+        split has completed, so it has no work left): ncclCommFinalize may return ncclInProgress,
+        and the handle is destroyed only once its state is ncclSuccess; aborted when that fails
+        or takes longer than the timeout."""
         try:
             rc = nccl.comm_finalize(handle)
             if rc == nccl.IN_PROGRESS:

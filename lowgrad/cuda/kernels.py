@@ -135,6 +135,10 @@ class CudaKernels(Kernels):
         self._kernels: dict[str, Kernel] = {}
         self._norm_kernels: dict[tuple[DType, DType], tuple[Kernel, Kernel]] = {}
         self._workspaces: dict[tuple[int, DType], Tensor] = {}
+        # ranks sharing this device as threads (the loopback) may queue norms on one stream: a
+        # norm's two stages are queued under this lock, so another thread's first stage cannot
+        # land between them and overwrite the partial sums they share
+        self._norm_lock = threading.Lock()
         self._resident: dict[int, int] = {}
         self._lock = threading.Lock()
         self.max_grid = device.sm_count * GRID_PER_SM
@@ -381,11 +385,12 @@ class CudaKernels(Kernels):
 
     def norm_squared(self, x: Tensor, out: Tensor, accumulate: bool, stream: int) -> None:
         stage1, stage2 = self._norm_stages(x.dtype, out.dtype)
-        ws = self._workspace(stream, out.dtype)
         grid = min(self.blocks(x.numel, stage1.block), NORM_PARTIALS)
-        if grid:
-            stage1.launch(grid, stream, x.ptr, x.numel, ws.ptr)
-        stage2.launch(1, stream, ws.ptr, grid, out.ptr, int(accumulate))
+        with self._norm_lock:
+            ws = self._workspace(stream, out.dtype)
+            if grid:
+                stage1.launch(grid, stream, x.ptr, x.numel, ws.ptr)
+            stage2.launch(1, stream, ws.ptr, grid, out.ptr, int(accumulate))
 
     def _workspace(self, stream: int, dtype: DType) -> Tensor:
         """Partial sums per stream handle (NORM_PARTIALS elements, 8 KiB at most), so norms on

@@ -233,18 +233,22 @@ def comm_init_rank(world: int, uid: bytes, rank: int, blocking: bool = False) ->
     return handle.value or 0, rc
 
 
-def comm_split(comm: int, color: int, key: int, blocking: bool) -> tuple[int, int]:
+def comm_split(comm: int, color: int, key: int, blocking: bool) -> tuple[c_void_p, int]:
     """``ncclCommSplit``: collective over every rank of ``comm``; ranks of equal ``color`` (>= 0)
     form a new communicator ranked by ``key`` (ties: the parent's rank), with its own resources
-    (``splitShare`` 0) and ``blocking`` mode. Returns ``(handle, rc)``; with rc == IN_PROGRESS (a
-    non-blocking child) poll :func:`comm_get_async_error` on the new handle. A blocking split
-    blocks the host until every rank has called it; ``ncclCommAbort`` of the parent ends it."""
+    (``splitShare`` 0) and ``blocking`` mode. Returns ``(newcomm, rc)``: ``newcomm`` is the
+    ``ncclComm_t`` cell NCCL writes the child into. A blocking split blocks the host until every
+    rank has called it and returns with the cell filled; ``ncclCommAbort`` of the parent ends it.
+    On a non-blocking parent (rc == IN_PROGRESS) the split runs on NCCL's own thread: the cell
+    stays NULL until :func:`comm_get_async_error` of the *parent* reports ncclSuccess (NCCL
+    writes it then), and the parent refuses every other call until that moment. So the caller
+    keeps the cell alive until then, and longer when it gives up: NCCL may still write it."""
     cfg = _config(blocking)
     cfg.splitShare = 0
-    handle = c_void_p()
-    rc = lib().ncclCommSplit(comm, color, key, byref(handle), byref(cfg))
+    newcomm = c_void_p()
+    rc = lib().ncclCommSplit(comm, color, key, byref(newcomm), byref(cfg))
     check("ncclCommSplit", rc, comm)
-    return handle.value or 0, rc
+    return newcomm, rc
 
 
 def _config(blocking: bool) -> _Config:
