@@ -46,7 +46,9 @@ from lowgrad.torch.checkpoints import load_checkpoint as load_checkpoint
 from lowgrad.torch.checkpoints import save_checkpoint as save_checkpoint
 from lowgrad.torch.layout import find_blocks, module_layout
 from lowgrad.torch.optimizer import NONFINITE_POLICIES, ShardOptimizer
+from lowgrad.torch.process_group import init_process_group
 from lowgrad.torch.rows import ShardRows as ShardRows
 from lowgrad.torch.rows import _local as _local
 
-__all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES"]
+__all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES",
+           "init_process_group"]
