@@ -55,9 +55,9 @@ from _cli import CannotRun, Parser, check_world, int_at_least, require_cuda, run
 import numpy as np
 
 import lowgrad as lg
+from lowgrad.managers import STRATEGIES
 
 DEFAULT_TEXT = Path(__file__).with_name("tiny_text.txt")
-STRATEGIES = ("unsharded", "scatter_reduce", "all_to_all")
 ACCUM = ("sr_bf16", "fp32", "rn_bf16")
 Key = tuple[int, str]  # (layer, parameter name); layer -1 for the non-block parameters
 
@@ -88,11 +88,14 @@ class Config:
         """The strategy's default filled in; ValueError for options that do not fit together."""
         strategy = self.strategy or ("unsharded" if self.accum == "rn_bf16" else "scatter_reduce")
         if self.device not in ("host", "cuda") or self.accum not in ACCUM or strategy not in STRATEGIES:
-            raise ValueError(f"device/accum/strategy must be in {('host', 'cuda')}/{ACCUM}/{STRATEGIES}")
-        if self.accum == "rn_bf16" and strategy != "unsharded":
-            raise ValueError("--accum rn_bf16 needs --strategy unsharded (the sharded managers accumulate with SR)")
-        if self.offload and strategy == "unsharded":
-            raise ValueError("--offload applies to the sharded strategies")
+            raise ValueError(f"device/accum/strategy must be in {('host', 'cuda')}/{ACCUM}/{list(STRATEGIES)}")
+        cls = STRATEGIES[strategy]
+        if self.accum == "rn_bf16" and cls.rounds():
+            raise ValueError(f"--accum rn_bf16 needs a strategy that rounds nothing (the engine accumulates), "
+                             f"one of {[n for n, c in STRATEGIES.items() if not c.rounds()]}; {strategy} "
+                             "accumulates with SR")
+        if self.offload and not cls.offloads:
+            raise ValueError(f"--offload applies to the strategies that offload; {strategy} does not")
         return replace(self, strategy=strategy)
 
     @property
@@ -328,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--device", choices=("host", "cuda"), default=d.device,
                    help="lowgrad backend: host (the CPU, default) or cuda (one GPU per rank)")
     p.add_argument("--accum", choices=ACCUM, default=d.accum)
-    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+    p.add_argument("--strategy", choices=tuple(STRATEGIES), default=None,
                    help="default: scatter_reduce (unsharded for --accum rn_bf16)")
     p.add_argument("--offload", nargs="?", const="on", choices=("off", "on"), default="off",
                    help="shards in pinned host memory (--offload alone is on, as in lowgrad demo)")

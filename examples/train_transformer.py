@@ -65,6 +65,7 @@ from _cli import CannotRun, Parser, int_at_least, require_cuda, run  # first: sa
 
 import lowgrad as lg
 from lowgrad.diagnostics import StepLog
+from lowgrad.managers import STRATEGIES
 
 if torch is not None:
     import lowgrad.torch  # lowgrad.torch.attach
@@ -125,7 +126,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     attached = masters = None
     opt: Any = None  # lowgrad's ShardOptimizer or torch's AdamW (their step() takes different arguments)
     if args.mode == "lowgrad":
-        rounding = None if args.strategy == "unsharded" else args.rounding
+        rounding = args.rounding if STRATEGIES[args.strategy].rounds() else None
         attached = lowgrad.torch.attach(model, comm, strategy=args.strategy, seed=args.seed, rounding=rounding,
                                         overlap=not args.no_overlap, stats=args.stats is not None)
         opt = lowgrad.torch.ShardOptimizer(attached, torch.optim.AdamW, master_weights=True, **kw)
@@ -410,9 +411,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str]:
     p.add_argument("--world", type=int_at_least(1), default=1,
                    help="without a launcher: lowgrad's ranks as threads (run_threads); under torchrun: its world")
     p.add_argument("--timeout", type=float, default=300.0, help="lowgrad's communicator timeout (seconds)")
-    p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
+    p.add_argument("--strategy", choices=tuple(STRATEGIES), default="scatter_reduce")
     p.add_argument("--rounding", choices=tuple(lg.ROUNDINGS), default=lg.DEFAULT_ROUNDING,
-                   help="the sharded strategies' rounding into the bf16 shards")
+                   help="the rounding into the bf16 shards (a strategy that rounds nothing ignores it)")
     p.add_argument("--no-overlap", action="store_true",
                    help="lowgrad: deliver each micro-step's gradients at its end (attach(overlap=False))")
     p.add_argument("--size", choices=tuple(SIZES), help=by_device("size"))

@@ -86,3 +86,13 @@ def watchdog_threads() -> list[threading.Thread]:
     """The watchdog threads started since :func:`mark_threads` that are still alive (another test
     file's communicator may still be open, its watchdog alive)."""
     return [t for t in threading.enumerate() if t.name.startswith("lowgrad-watchdog") and t not in _earlier_threads]
+
+
+def strategy_configs(offload: bool = True) -> list[tuple[str, bool]]:
+    """``(strategy, offload)`` for every registered strategy (``lowgrad.managers.STRATEGIES``),
+    without offload and, where the strategy offloads (and ``offload``), with it. Read when a test
+    module is collected: a strategy registered before that (tests/test_strategy_registered.py's
+    plugin) joins every suite parametrized by it."""
+    from lowgrad.managers import STRATEGIES
+
+    return [(name, o) for name, cls in STRATEGIES.items() for o in (False, True) if not o or offload and cls.offloads]

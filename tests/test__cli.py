@@ -55,6 +55,7 @@ CASES = [
     ("tools/predict_scaling.py", [], "ok", False),
     ("tools/predict_scaling.py", ["--bench-layer", "missing.json"], "why", False),
     ("tools/race_hunt.py", [], "gpu", True),
+    ("tools/summarize_benchmarks.py", ["--check"], "ok", False),  # without --check it rewrites BENCHMARKS.md
     ("tools/world2_report.py", [], "why", False),
     ("tools/world2_report.py", ["missing"], "why", False),
     ("examples/train_lm.py", [], "verdict", False),

@@ -20,6 +20,7 @@ from typing import Any, cast
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 from lowgrad import checkpoint
@@ -30,8 +31,7 @@ LAYOUT = lg.Layout(block=(lg.ParamSpec("w", (12, 4)), lg.ParamSpec("b", (12,))),
 SPECS = {f"layers.{l}.{s.name}": s for l in range(LAYOUT.num_layers) for s in LAYOUT.block} | {
     s.name: s for s in LAYOUT.non_block}
 M = 2
-CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
-           ("all_to_all", True)]
+CONFIGS = strategy_configs()
 
 
 def _grad(shape: tuple[int, ...], *key: Any) -> np.ndarray:
@@ -43,8 +43,8 @@ class Engine:
     """A rank of a framework-free training loop: the manager's protocol with numpy gradients, SGD
     with momentum on this rank's float32 master rows of every parameter."""
 
-    def __init__(self, comm: Any, strategy: str, offload: bool) -> None:
-        self.gm = lg.create_gradient_manager(LAYOUT, comm, strategy=strategy, offload=offload, seed=11)
+    def __init__(self, comm: Any, strategy: str, offload: bool, stats: bool = False) -> None:
+        self.gm = lg.create_gradient_manager(LAYOUT, comm, strategy=strategy, offload=offload, seed=11, stats=stats)
         self.rank, self.world = comm.rank, comm.world
         self.master = {n: _grad(s.shape, "init", n).astype(np.float32)[self.rows(n)] for n, s in SPECS.items()}
         self.momentum = {n: np.zeros_like(v) for n, v in self.master.items()}
@@ -255,7 +255,7 @@ def test_broken_and_foreign_checkpoints_are_refused_naming_the_file(tmp_path: Pa
             (p / "manifest.json").read_bytes()[:100])), "not JSON"),
         "a flipped bit": (broken("flip", flip), "rank-00001.bin: the chunk of"),
         "a truncated file": (broken("trunc", truncate), "rank-00000.bin"),
-        "a missing file": (broken("gone", lambda p: (p / "rank-00001.bin").unlink()), "rank-00001.bin: missing"),
+        "a missing file": (broken("gone", lambda p: (p / "rank-00001.bin").unlink()), "rank-00001.bin is missing"),
         "another version": (broken("ver", edit_manifest(version=lambda v: 99)), "version 99"),
         "another model": (broken("model", edit_manifest(layout=lambda v: {**v, "num_layers": 3})), "another model"),
     }
@@ -318,20 +318,92 @@ def test_the_manifest_describes_every_chunk(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_change_nothing(tmp_path: Path) -> None:
+    """A bad argument is a CheckpointError (the one kind a save or load raises) chained to what the
+    check raised, before anything is written or changed."""
     def job(c: Any) -> None:
         e = Engine(c, "scatter_reduce", False)
-        with pytest.raises(TypeError, match="Rows"):
+        with pytest.raises(lg.CheckpointError, match="rank 0: TypeError: save: arrays must map str names to "
+                                                     "lowgrad.checkpoint.Rows") as info:
             checkpoint.save(tmp_path / "x", e.gm, {"a": np.zeros(3)})  # type: ignore[dict-item]
-        with pytest.raises(TypeError):
+        assert isinstance(info.value.__cause__, TypeError)
+        with pytest.raises(lg.CheckpointError, match="rank 0: TypeError: Object of type object is not JSON"):
             checkpoint.save(tmp_path / "x", e.gm, e.arrays(), meta={"bad": object()})
+        with pytest.raises(lg.CheckpointError, match="rank 0: TypeError: read: arrays must map"):
+            checkpoint.load(tmp_path / "x", e.gm, [])  # type: ignore[arg-type]
         e.gm.start_micro_step(None, 0, 2)
-        with pytest.raises(lg.ProtocolError):
+        with pytest.raises(lg.CheckpointError, match="rank 0: ProtocolError") as info:
             checkpoint.save(tmp_path / "x", e.gm, e.arrays())
+        assert isinstance(info.value.__cause__, lg.ProtocolError)
         e.gm.close()
     _run(1, job)
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="does not fit"):
         Rows(np.zeros((3, 2)), (4, 2), 2)
+
+
+def test_one_ranks_bad_argument_is_a_checkpoint_error_on_every_rank(tmp_path: Path) -> None:
+    """One rank's meta that JSON cannot hold (a TypeError there, CommAbortedError on the other
+    before), its bad arrays, its save or load inside a step: CheckpointError on every rank naming
+    that rank, nothing written, nothing changed; then the corrected call succeeds."""
+    _save(tmp_path / "good", 2, "scatter_reduce", False, steps=1)
+
+    def job(c: Any) -> list[str]:
+        e = Engine(c, "scatter_reduce", False)
+        before = (e.gm.state_dict(), e.snapshot())
+        said = []
+        for call in (lambda: checkpoint.save(tmp_path / "x", e.gm, e.arrays(),
+                                             meta={"at": object() if c.rank == 1 else 1}),
+                     lambda: checkpoint.save(tmp_path / "x", e.gm, e.arrays() if c.rank == 0 else {"a": 1}),
+                     lambda: checkpoint.load(tmp_path / "good", e.gm, e.arrays() if c.rank == 0 else None)):
+            with pytest.raises(lg.CheckpointError) as info:
+                call()
+            said.append(str(info.value))
+        assert e.gm.state_dict() == before[0]
+        _same(e.snapshot(), before[1])
+        checkpoint.save(tmp_path / "x", e.gm, e.arrays())  # the corrected retries
+        checkpoint.load(tmp_path / "good", e.gm, e.arrays())
+        before = (e.gm.state_dict(), e.snapshot())
+        if c.rank == 1:
+            e.gm.start_micro_step(None, 0, 2)  # rank 1 in the middle of a step
+        for call in (lambda: checkpoint.save(tmp_path / "y", e.gm, e.arrays()),
+                     lambda: checkpoint.load(tmp_path / "good", e.gm, e.arrays())):
+            with pytest.raises(lg.CheckpointError) as info:
+                call()
+            said.append(str(info.value))
+        if c.rank == 0:
+            assert e.gm.state_dict() == before[0]
+        for n in SPECS:
+            assert e.master[n].tobytes() == before[1]["master"][n].tobytes()
+        e.gm.close()
+        return said
+    first, second = _run(2, job)
+    assert first == second
+    assert "rank 1: TypeError: Object of type object is not JSON serializable" in first[0]
+    assert "rank 1: TypeError: save: arrays must map str names" in first[1]
+    assert "rank 1: TypeError: read: arrays must map str names" in first[2]
+    assert "rank 1: ProtocolError" in first[3] and "rank 1: ProtocolError" in first[4]
+    assert all("rank 0" not in m for m in first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "x"]  # the retry's; nothing of the refusals
+
+
+def test_a_layout_mismatch_names_the_parameter(tmp_path: Path) -> None:
+    _save(tmp_path / "ck", 2, "scatter_reduce", False)
+    block, non_block = LAYOUT.block, LAYOUT.non_block
+    cases = [
+        (lg.Layout(block=block, non_block=(lg.ParamSpec("e", (12, 4)),), num_layers=2),
+         "another model: non-block parameter 'e' is [24, 4] there, [12, 4] in this manager"),
+        (lg.Layout(block=(block[0], lg.ParamSpec("bias", (12,))), non_block=non_block, num_layers=2),
+         "another model: this manager's block parameter 'bias' is not in it"),
+        (lg.Layout(block=block[:1], non_block=non_block, num_layers=2),
+         "another model: its block parameter 'b' is not this manager's"),
+        (lg.Layout(block=block[::-1], non_block=non_block, num_layers=2),
+         "another model: its block parameters are in another order: ['w', 'b']"),
+        (lg.Layout(block=block, non_block=non_block, num_layers=4),
+         "another model: its number of layers is 2, this manager's 4"),
+    ]
+    for layout, needle in cases:
+        for msg in _refused(tmp_path / "ck", 2, layout=layout):
+            assert needle in msg, (needle, msg)
 
 
 def _copy(good: Path, to: Path, edit: Any) -> Path:

@@ -74,7 +74,8 @@ def test_the_run_threads_reason_wins_over_the_watchdogs() -> None:
         c._check_open("all_reduce")
 
 
-@pytest.mark.parametrize("env, want", [(None, True), ("", True), ("1", True), (" 1 ", True), ("0", False)])
+@pytest.mark.parametrize("env, want", [(None, cuda_comm.DEFAULT_BLOCKING), ("", cuda_comm.DEFAULT_BLOCKING),
+                                       ("1", True), (" 1 ", True), ("0", False), (" 0", False)])
 def test_blocking_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch, env: str | None, want: bool) -> None:
     if env is None:
         monkeypatch.delenv(cuda_comm.BLOCKING_ENV, raising=False)

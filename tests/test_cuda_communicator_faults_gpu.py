@@ -88,10 +88,17 @@ def test_split_makes_a_working_child_closed_on_its_own(blocking: bool) -> None:
         comm.all_reduce(t, "max")  # the parent is untouched
         comm.wait()
         np.testing.assert_array_equal(t.numpy(), np.full(4, 2.0, np.float32))
-        grandchild = comm.split(0, key=5)
-        comm.abort()  # children are independent of the parent
-        grandchild.barrier()
+        grandchild, doomed = comm.split(0, key=5), comm.split(1)
         grandchild.close()
+        comm.abort()  # what was split from it is aborted with it (every backend); a closed child is left alone
+        with pytest.raises(lg.CommAbortedError):
+            doomed.barrier()
+        doomed.close()
+        survivor_parent = lg.Communicator(0, 1, nccl.unique_id(), dev, timeout=60, blocking=blocking)
+        survivor = survivor_parent.split(2)
+        survivor_parent.close()  # a child outlives its parent's close (its own resources: splitShare 0)
+        survivor.barrier()
+        survivor.close()
     finally:
         comm.close()
     assert not watchdog_threads()

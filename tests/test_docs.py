@@ -47,15 +47,34 @@ pytestmark = pytest.mark.skipif(not (ROOT / "docs").is_dir(), reason="no docs/ h
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
-def test_architecture_names_every_module() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    pkg = ROOT / "lowgrad"
-    layer_inits = {pkg / d / "__init__.py"  # docstrings only
-                   for d in ("base", "buffers", "contracts", "runtime", "sr", "cuda", "host", "cli")}
-    missing = [str(p.relative_to(pkg)) for p in sorted(pkg.rglob("*.py"))
-               if p not in layer_inits and f"`{p.relative_to(pkg)}`" not in text
-               and f"`{p.relative_to(ROOT)}`" not in text]
-    assert not missing, f"docs/architecture.md does not place: {missing}"
+def _holds_code(path: Path) -> bool:
+    """Whether a module holds more than its docstring (a layer's ``__init__.py`` often does not)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in body)
+
+
+def _table_rows(text: str) -> set[str]:
+    """The module paths that head a row of a table (``| `cuda/nccl.py` | ...``)."""
+    return set(re.findall(r"^\| `([\w/]+\.py)` \|", text, re.MULTILINE))
+
+
+def test_every_module_has_a_row_in_the_architecture_tables() -> None:
+    """docs/architecture.md places every module that holds code (a row of its layer's table), and
+    names no module that is gone."""
+    rows = _table_rows((ROOT / "docs" / "architecture.md").read_text())
+    mods = {str(p.relative_to(ROOT / "lowgrad")): p for p in (ROOT / "lowgrad").rglob("*.py")}
+    missing = sorted(m for m, p in mods.items() if _holds_code(p) and m not in rows)
+    assert not missing, f"modules without a row in docs/architecture.md: {missing}"
+    assert not rows - mods.keys(), f"rows of docs/architecture.md naming no module: {sorted(rows - mods.keys())}"
+
+
+def test_the_table_check_sees_a_missing_row(tmp_path: Path) -> None:
+    """The two helpers find what they look for: a row heads a table line, a docstring is no code."""
+    assert _table_rows("| `a/b.py` | x |\nsee `c/d.py`\n| `e.py` | y |") == {"a/b.py", "e.py"}
+    doc, code = tmp_path / "doc.py", tmp_path / "code.py"
+    doc.write_text('"""Only a docstring."""\n')
+    code.write_text('"""A docstring."""\nX = 1\n')
+    assert not _holds_code(doc) and _holds_code(code)
 
 
 def test_relative_links_resolve() -> None:
@@ -410,7 +429,7 @@ def test_block_runner_names_file_and_line(tmp_path: Path) -> None:
 def _summarize():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "summarize.py")
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "tools" / "summarize_benchmarks.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -422,13 +441,22 @@ benchmarks_here = pytest.mark.skipif(not (ROOT / "benchmarks" / "runs.json").is_
 
 
 @benchmarks_here
+def test_benchmarks_holds_records_not_code() -> None:
+    """benchmarks/ is data: each run's commands are text in its record (``run<NN>-commands.txt``),
+    and the one tool that reads the records is tools/summarize_benchmarks.py."""
+    code = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*")
+            if p.is_file() and (p.suffix in (".py", ".sh") or os.access(p, os.X_OK))]
+    assert not code, f"code under benchmarks/ (keep a record's commands as text): {code}"
+
+
+@benchmarks_here
 def test_benchmarks_summary_is_what_the_runs_give() -> None:
-    """The table at the top of BENCHMARKS.md is benchmarks/summarize.py's output for the committed
+    """The table at the top of BENCHMARKS.md is tools/summarize_benchmarks.py's output for the committed
     runs, to the character: edit benchmarks/runs.json or the run files, then regenerate."""
     s = _summarize()
     committed = s.committed_block((ROOT / "BENCHMARKS.md").read_text())
     assert committed == s.render(), ("BENCHMARKS.md's summary is not what benchmarks/runs.json gives: "
-                                     "run `python benchmarks/summarize.py` and commit the result")
+                                     "run `python tools/summarize_benchmarks.py` and commit the result")
 
 
 @benchmarks_here

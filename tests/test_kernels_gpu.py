@@ -485,9 +485,13 @@ def test_norms_of_threads_sharing_a_stream_do_not_mix(gpu: lg.Device) -> None:
     start = threading.Barrier(4)
 
     def rank(k: int) -> None:
-        start.wait()
-        for i in range(200):
-            lg.ops.norm_squared(txs[k], outs[k], accumulate=i > 0)
+        try:
+            gpu.activate()  # the device's context, current on this thread
+            start.wait()
+            for i in range(200):
+                lg.ops.norm_squared(txs[k], outs[k], accumulate=i > 0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            bad.append(f"thread {k} raised {exc!r}")
     threads = [threading.Thread(target=rank, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()

@@ -147,3 +147,4 @@ def test_test_files_are_named_after_modules() -> None:
             continue
         bad.append(path.name)
     assert not bad, f"test files named after no module: {bad}"
+

@@ -11,7 +11,7 @@ from test_managers import STRATS, bf16_grad, drive, small_layout
 
 import lowgrad as lg
 from lowgrad.diagnostics.report import StepStats
-from lowgrad.managers import ProtocolError
+from lowgrad.managers import STRATEGIES, ProtocolError
 
 M = 3
 
@@ -32,6 +32,18 @@ def ranks_stats(world: int, strategy: str, offload: bool, gfun: Any = bf16_grad,
     return lg.run_threads(world, job, backend="host")
 
 
+def measured(world: int, strategy: str, offload: bool) -> tuple[bool, str | None]:
+    """What the strategy says it measures at ``world`` (``Strategy.stats_kinds``: the micro-step
+    rows, and each rank's own gradient per micro-step, per step or never): what to expect, by
+    capability rather than by name."""
+    def job(comm: Any) -> tuple[bool, str | None]:
+        gm = lg.create_gradient_manager(small_layout(), comm, strategy=strategy, offload=offload)
+        kinds = gm._strategy.stats_kinds()
+        gm.close()
+        return kinds
+    return lg.run_threads(world, job, backend="host")[0]
+
+
 def columns() -> list[tuple[str, int, int]]:
     """(name, layer, index in its list) per column: non-block first, then each layer's block."""
     layout = small_layout()
@@ -49,7 +61,7 @@ def test_rows_equal_a_float64_reference(world: int, strategy: str, offload: bool
     results = ranks_stats(world, strategy, offload)
     cols = columns()
     last = 1  # the step the statistics are of
-    stats = results[0][1]
+    stats, (micro_kind, local_kind) = results[0][1], measured(world, strategy, offload)
     assert stats.names == tuple(n for n, _, _ in cols)
     for r, (shards, other) in enumerate(results):  # every rank holds every rank's rows
         assert np.array_equal(other.accumulated.sumsq, stats.accumulated.sumsq, equal_nan=True)
@@ -58,11 +70,10 @@ def test_rows_equal_a_float64_reference(world: int, strategy: str, offload: bool
             acc = stats.accumulated
             assert acc.sumsq[r, t] == pytest.approx(sq(shard), rel=1e-6), (r, name)
             assert acc.nonfinite[r, t] == 0 and acc.maxabs[r, t] == np.abs(shard).max()
-    sharded = strategy != "unsharded"
-    # hierarchical here: one node (no launcher says otherwise), whose adds see the mean of all ranks
-    micro_measured = sharded and (world == 1 or strategy in ("scatter_reduce", "hierarchical"))
-    assert (stats.micro is not None) == micro_measured
-    assert (stats.local is not None) == (world > 1)
+    # what the strategy says it measures (hierarchical here: one node, no launcher says otherwise)
+    assert (stats.micro is not None) == micro_kind
+    assert (stats.local is not None) == (world > 1 and local_kind is not None)
+    micro_measured = micro_kind
     layout = small_layout()
     for t, (_, layer, i) in enumerate(cols):
         shape = layout.non_block[i].shape if layer < 0 else layout.block[i].shape
@@ -78,7 +89,7 @@ def test_rows_equal_a_float64_reference(world: int, strategy: str, offload: bool
                     assert stats.micro.sumsq[r, m, t] == pytest.approx(want, rel=1e-6 if world == 1 else 2e-2)
         if stats.local is not None:
             for r in range(world):
-                if strategy == "unsharded":  # the step's accumulated local gradient, before the reduce-scatter
+                if local_kind == "step":  # the step's accumulated local gradient, before the exchange
                     want = sq(sum(bf16_grad(r, m, layer, i, shape, last).astype(np.float64) for m in range(M)))
                     assert stats.local.sumsq[r, 0, t] == pytest.approx(want, rel=2e-2)
                 elif layer < 0:
@@ -107,13 +118,16 @@ def test_the_first_non_finite_value_is_named(world: int, strategy: str, offload:
     rank = world - 1
     results = ranks_stats(world, strategy, offload, gfun=nan_at(rank, 1, 2, 0))
     reports = [s.first_nonfinite() for _, s in results]
+    micro_kind, local_kind = measured(world, strategy, offload)
     assert all(rep == reports[0] for rep in reports)  # the same report on every rank
     rep = reports[0]
     assert rep is not None and rep.parameter == "layers.2.w1" and rep.layer == 2 and rep.step == 1
-    if world > 1:  # each rank's own gradient names the rank
+    if world > 1 and local_kind is not None:  # each rank's own gradient names the rank
         assert (rep.source, rep.rank) == ("local", rank)
-        assert rep.micro_step == (None if strategy == "unsharded" else 1)
-    elif strategy == "unsharded":  # world 1, nothing per micro-step: the accumulated gradient
+        assert rep.micro_step == (None if local_kind == "step" else 1)
+    elif world > 1 and micro_kind:  # no local rows: the micro-step's mean names the micro-step
+        assert (rep.source, rep.micro_step) == ("micro", 1)
+    elif not micro_kind:  # nothing per micro-step: the accumulated gradient
         assert (rep.source, rep.micro_step) == ("step", None)
     else:
         assert (rep.source, rep.micro_step) == ("micro", 1)
@@ -291,7 +305,7 @@ def same_stats(a: StepStats, b: StepStats) -> None:
                 assert np.array_equal(getattr(x, part), getattr(y, part), equal_nan=True), (field, part)
 
 
-@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_reading_equals_step_stats_and_outlives_the_next_step(world: int, strategy: str) -> None:
     """A reading's result equals step_stats (a StepStats whose checks it passes), is the same

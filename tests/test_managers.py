@@ -8,13 +8,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 from lowgrad.managers import ProtocolError
 
-STRATS = [("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
-          ("all_to_all", True),
-          ("hierarchical", False), ("hierarchical", True)]
+#: every registered strategy, with offload where it offloads (a strategy registered at run time joins)
+STRATS = strategy_configs()
 
 
 def small_layout(layers: int = 3, zero_init: bool = False) -> lg.Layout:

@@ -120,3 +120,39 @@ def test_a_symbol_missing_from_the_real_library_is_a_library_error(monkeypatch):
     from lowgrad.base.errors import NcclLibraryError
 
     assert nccl.NcclLibraryError is NcclLibraryError
+
+
+def test_library_candidates_is_the_one_search_order(monkeypatch, tmp_path):
+    """The variable alone when set (and a library it names that is missing is not "absent": the
+    doctor calls it FAILED); else the wheels', find_library's and the loader's name, each once."""
+    named = str(tmp_path / "libnccl.so.2")
+    monkeypatch.setenv(nccl.LIBRARY_ENV, named)
+    assert nccl.library_candidates() == [named] and not nccl.library_absent()
+    monkeypatch.delenv(nccl.LIBRARY_ENV)
+    found = nccl.library_candidates()
+    assert found[-1] == "libnccl.so.2" and len(found) == len(set(found))
+    wheels = nccl._wheel_candidates()
+    assert found[:len(wheels)] == wheels
+    monkeypatch.setattr(nccl, "_wheel_candidates", lambda: [])
+    monkeypatch.setattr(nccl.ctypes.util, "find_library", lambda name: None)
+    assert nccl.library_candidates() == ["libnccl.so.2"]
+    monkeypatch.setattr(nccl.ctypes, "CDLL", _raise(OSError("libnccl.so.2: cannot open shared object file: No such")))
+    assert nccl.library_absent()
+    monkeypatch.setattr(nccl.ctypes, "CDLL", _raise(OSError("libcudart.so.12: cannot open shared object file")))
+    assert not nccl.library_absent()  # libnccl is there; a dependency of it is missing: broken, not absent
+
+
+def _raise(exc):
+    def f(*args, **kwargs):
+        raise exc
+    return f
+
+
+def test_only_the_binding_reads_the_library_variable():
+    """One way to find NCCL: every other module asks lowgrad.cuda.nccl (LIBRARY_ENV, library_candidates)."""
+    from pathlib import Path
+
+    root = Path(nccl.__file__).resolve().parents[2]
+    readers = [str(p.relative_to(root)) for d in ("lowgrad", "tools", "examples") for p in (root / d).rglob("*.py")
+               if "LOWGRAD_NCCL_LIBRARY" in p.read_text()]
+    assert readers == ["lowgrad/cuda/nccl.py"]

@@ -5,7 +5,9 @@ anything but itself, and none imports the manager."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,7 +61,7 @@ def test_one_file_per_strategy_registered_by_name() -> None:
     assert len({c.__module__ for c in STRATEGIES.values()}) == len(STRATEGIES)
 
 
-@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all"])
+@pytest.mark.parametrize("strategy", [n for n, cls in STRATEGIES.items() if not cls.option_names()])
 def test_a_strategy_without_options_refuses_one_before_allocating(strategy: str) -> None:
     layout = lg.Layout(block=(lg.ParamSpec("w", (8, 4)),), non_block=(lg.ParamSpec("emb", (6, 4)),), num_layers=2)
 
@@ -70,3 +72,58 @@ def test_a_strategy_without_options_refuses_one_before_allocating(strategy: str)
         assert comm.device.memory_report().as_dict() == before
         lg.create_gradient_manager(layout, comm, strategy=strategy).close()
     lg.run_threads(1, create)
+
+
+def _side(filename: str) -> str | None:
+    path = Path(filename)
+    if path == FOLDER.parent / "manager.py":
+        return "manager"
+    if path == FOLDER.parent / "strategy.py" or path.parent == FOLDER:
+        return "strategy"
+    return None
+
+
+def crossings(strategy: str, world: int = 2, M: int = 3) -> list[str]:
+    """The calls between manager.py and the strategy's code (strategy.py, strategies/) while
+    rank 0 hands over one middle layer in a middle micro-step (``block_full`` and
+    ``notify_block``): ``caller->callee:function`` each."""
+    layout = lg.Layout(block=(lg.ParamSpec("w", (8, 4)), lg.ParamSpec("b", (8,))), non_block=(), num_layers=3)
+
+    def job(comm: Any) -> list[str]:
+        gm = lg.create_gradient_manager(layout, comm, strategy=strategy)
+        s = comm.device.stream()
+        seen: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_back is not None:
+                a, b = _side(frame.f_back.f_code.co_filename), _side(frame.f_code.co_filename)
+                if a and b and a != b:
+                    seen.append(f"{a}->{b}:{frame.f_code.co_name}")
+        for m in range(M):
+            gm.start_micro_step(s, m, M)
+            for layer in reversed(range(layout.num_layers)):
+                watched = comm.rank == 0 and m == 1 and layer == 1
+                if watched:
+                    sys.setprofile(profile)
+                try:
+                    dw, _ = gm.block_full(layer, s)
+                    for t in dw.tensors():
+                        lg.ops.fill_zero(t, s)  # (no strategy code: not counted)
+                    gm.notify_block(layer, s)
+                finally:
+                    if watched:
+                        sys.setprofile(None)
+            gm.end_micro_step(s)
+        gm.close()
+        return seen
+    return lg.run_threads(world, job, backend="host")[0]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_layer_crosses_into_its_strategy_twice_and_never_back(strategy: str) -> None:
+    """The narrow contract, counted: one layer of one micro-step calls the strategy's
+    ``block_full`` and ``notify`` and nothing else of it, and the strategy calls nothing of
+    manager.py (its context's verbs reach the capture and the protocol state directly). Before
+    issue 41 scatter_reduce crossed 6 times (4 back up through callbacks: wait, join, the
+    protocol state, record)."""
+    assert crossings(strategy) == ["manager->strategy:block_full", "manager->strategy:notify"]

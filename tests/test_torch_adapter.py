@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 from lowgrad.base.errors import ProtocolError
+from lowgrad.managers import STRATEGIES
 
 torch = pytest.importorskip("torch")
 from lowgrad.torch import attach, module_layout  # noqa: E402
@@ -130,7 +132,7 @@ def test_layout_follows_the_module() -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("strategy", ["unsharded", "scatter_reduce", "all_to_all", "hierarchical"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_shards_equal_the_manager_driven_by_hand(world: int, strategy: str, overlap: bool) -> None:
     M = 3
@@ -343,8 +345,7 @@ class Gated(Tiny):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("strategy,offload", [("unsharded", False), ("scatter_reduce", False),
-                                              ("scatter_reduce", True), ("all_to_all", False), ("all_to_all", True)])
+@pytest.mark.parametrize("strategy,offload", strategy_configs())
 def test_zero_d_and_zero_size_parameters_attach_and_train(world: int, strategy: str, offload: bool) -> None:
     """0-d parameters (world 1) and zero-size ones (any world) attach, deliver their gradients
     and are updated by ShardOptimizer exactly as AdamW on the full parameters with the full

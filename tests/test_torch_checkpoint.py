@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import strategy_configs
 
 import lowgrad as lg
 
@@ -72,9 +73,9 @@ class Run:
 
     def __init__(self, comm: Any, strategy: str = "scatter_reduce", offload: bool = False, seed: int = 0,
                  master_weights: bool = True, optimizer: Any = None, device: str = "cpu",
-                 opt_kw: dict[str, Any] | None = None) -> None:
+                 opt_kw: dict[str, Any] | None = None, stats: bool = False) -> None:
         self.model = Net(seed).to(device)
-        self.att = lt.attach(self.model, comm, strategy=strategy, offload=offload, seed=7)
+        self.att = lt.attach(self.model, comm, strategy=strategy, offload=offload, seed=7, stats=stats)
         self.opt = lt.ShardOptimizer(self.att, optimizer, master_weights=master_weights,
                                      **(opt_kw or {"lr": 1e-2, "weight_decay": 0.1}))
 
@@ -148,8 +149,7 @@ def resumes_bit_for_bit(world: int, save: Any, load: Any, **kw: Any) -> None:
         same(a, b)
 
 
-CONFIGS = [("unsharded", False), ("scatter_reduce", False), ("all_to_all", False), ("scatter_reduce", True),
-           ("all_to_all", True)]
+CONFIGS = strategy_configs()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

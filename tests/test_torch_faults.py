@@ -14,6 +14,7 @@ import pytest
 
 import lowgrad as lg
 from lowgrad.base.errors import NonFiniteGradientError, ProtocolError
+from lowgrad.managers import STRATEGIES
 
 torch = pytest.importorskip("torch")
 from test_torch_adapter import Tiny, by_hand, loss, shards  # noqa: E402
@@ -109,8 +110,10 @@ def run(world: int, fault: str | None, fault_rank: int = 0, steps: int = 3, M: i
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("fault", ["nan", "forward", "backward", "data"])
-def test_a_faulted_step_is_skipped_on_every_rank_and_leaves_no_trace(world: int, fault: str) -> None:
-    check_skipped(world, run(world, fault, fault_rank=world - 1), run(world, "skip"))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_faulted_step_is_skipped_on_every_rank_and_leaves_no_trace(world: int, fault: str, strategy: str) -> None:
+    check_skipped(world, run(world, fault, fault_rank=world - 1, strategy=strategy),
+                  run(world, "skip", strategy=strategy))
 
 
 def check_skipped(world: int, faulted: list[Any], clean: list[Any]) -> None:

@@ -57,6 +57,7 @@ import accuracy_world as aw
 import numpy as np
 from accuracy import BF16, MODES, accumulate, load_grads
 
+from lowgrad.managers import STRATEGIES
 from lowgrad.sr.philox import sr_noise
 from lowgrad.sr.seedcounter import ld_shift
 from lowgrad.sr.seeds import use_seed
@@ -292,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world-micro", type=int_list(2), help="micro-step counts of those rows (4 / 4,64)")
     p.add_argument("--world-layers", type=int_at_least(1), help="layers of the small Qwen2 layout there (2 / 8)")
     p.add_argument("--world-inputs", default="const0.3,base+noise")
-    p.add_argument("--strategy", default="all_to_all", choices=("all_to_all", "scatter_reduce"))
+    p.add_argument("--strategy", default="all_to_all", choices=[n for n, c in STRATEGIES.items() if c.rounds()],
+                   help="a strategy that rounds (the rows compare its roundings)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help=output_help("accuracy_bias.json"))
     p.add_argument("--plot", help="write the figure here (PNG; needs matplotlib)")

@@ -41,6 +41,7 @@ import numpy as np
 
 import lowgrad as lg
 from lowgrad.host.reduce import host_reduce
+from lowgrad.managers import STRATEGIES
 
 BF16 = lg.bf16.np
 Reduce = Callable[[np.ndarray], np.ndarray]  # (world, n) bf16 inputs -> (n,) bf16 average
@@ -101,7 +102,7 @@ def run_manager(layout: lg.Layout, strategy: str, grads: np.ndarray, seed: int =
 
     def rank_fn(comm: Any) -> list[np.ndarray]:
         gm = lg.create_gradient_manager(layout, comm, strategy=strategy, seed=seed,
-                                        rounding=None if strategy == "unsharded" else rounding)
+                                        rounding=rounding if STRATEGIES[strategy].rounds() else None)
         s = comm.device.stream()
         for m in range(micro):
             gm.start_micro_step(s, m, micro)

@@ -26,6 +26,7 @@ import numpy as np
 
 import lowgrad as lg
 from lowgrad.buffers.tensor import Tensor, span
+from lowgrad.managers import STRATEGIES
 
 
 def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, ...], stream: Any, m: int, M: int) -> None:
@@ -45,7 +46,7 @@ def micro_step(gm: Any, layout: lg.Layout, pools: tuple[Tensor, ...], stream: An
 def main(argv: list[str] | None = None) -> int:
     p = Parser("bench_graph", description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU.")
     p.add_argument("--config", default="Qwen2.5-1.5B")
-    p.add_argument("--strategy", choices=("unsharded", "scatter_reduce", "all_to_all"), default="scatter_reduce")
+    p.add_argument("--strategy", choices=tuple(STRATEGIES), default="scatter_reduce")
     p.add_argument("--micro-steps", type=int, default=4, help="at least 3 (first, middle and last graphs)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", help=output_help("bench_graph.json"))

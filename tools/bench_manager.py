@@ -42,14 +42,17 @@ from lowgrad.base.dtypes import byte
 from lowgrad.buffers.memory import align_up
 from lowgrad.buffers.tensor import span
 from lowgrad.cli.bandwidth import copy_bandwidths
+from lowgrad.managers import STRATEGIES
 
 # the layout by backend: a 1.5B model loads an H200; on the CPU a tiny one finishes in seconds
 DEFAULT_CONFIG = {"cuda": "Qwen2.5-1.5B", "host": "tiny"}
 
-# (strategy, offload, inline): None is the manager's default (inline at world 1 with device shards)
-RUNS = (("unsharded", False, None), ("scatter_reduce", False, None), ("scatter_reduce", False, False),
-        ("all_to_all", False, None), ("all_to_all", False, False), ("scatter_reduce", True, None),
-        ("all_to_all", True, None))
+# (strategy, offload, inline) of every registered strategy: None is the manager's default (inline at
+# world 1 with device shards), False the communication stream where the strategy could work inline,
+# and offload where it offloads
+RUNS = tuple(run for name, cls in STRATEGIES.items() for run in (
+    (name, False, None), *(((name, False, False),) if cls.inline_refusal(1, False) is None else ()),
+    *(((name, True, None),) if cls.offloads else ())))
 
 
 def run_label(strategy: str, offload: bool, inline: bool | None) -> str:
@@ -100,15 +103,14 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
     B = 2 * layout.block_numel * layout.num_layers
     NB = 2 * layout.non_block_numel
     engine = 2 * (B + NB) if engine_writes else 0
-    # per micro-step after the first: the SR add reads the shard and the own slice, writes the shard
-    shard_traffic = 0 if strategy == "unsharded" else 3 * B // world
-    if strategy == "all_to_all" and world > 1:
-        shard_traffic += (world + 1) * B // world
-    if shared and world > 1 and strategy != "unsharded":  # the loopback's exchange is HBM traffic of this GPU
-        # (unsharded exchanges only in a step's last micro-step, which the median leaves out)
-        shard_traffic += 2 * (world - 1) * B // world if strategy == "all_to_all" else B + B // world
+    # per micro-step after the first, as the strategy's model says (a strategy that keeps full
+    # gradients exchanges only in a step's last micro-step, which the median leaves out)
+    model = STRATEGIES[strategy].micro_step_bytes(B, world, first=False, offload=offload)
+    shard_traffic = model.device
+    if shared and world > 1:  # the loopback's exchange is HBM traffic of this GPU
+        shard_traffic += model.exchange
     if offload:  # the shard's read and write cross PCIe (one each way); the own slice is on the device
-        pcie = (2 if strategy == "scatter_reduce" or world == 1 else 4) * B // world
+        pcie = model.pcie
         floor_s = max((engine + shard_traffic - pcie) / bw["d2d"], pcie / (bw["h2d"] + bw["d2h"]))
     else:
         floor_s = (engine + shard_traffic) / bw["d2d"]
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = None if args.strategies == "all" else set(args.strategies.split(","))
     selected = [(st, off, inl) for st, off, inl in RUNS
                 if (wanted is None or run_label(st, off, inl) in wanted)
-                and not (inl is False and (args.world > 1 or st == "unsharded"))]  # else the default's run
+                and not (inl is False and args.world > 1)]  # else the default's run
 
     def one(strategy: str, offload: bool, inline: bool | None, stats: bool) -> dict[str, Any]:
         return lg.run_threads(args.world, lambda c: bench(c, layout, strategy, offload, args.micro_steps, args.steps,

@@ -530,7 +530,8 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", choices=tuple(STRATEGIES), default="scatter_reduce")
     p.add_argument("--group-size", type=int, default=None,
-                   help="hierarchical: ranks per node (default: the launcher's, else one node)")
+                   help="ranks per node, for a strategy that groups ranks by node (default: the launcher's, else "
+                        "one node)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--seq", type=int, default=16)
@@ -554,8 +555,10 @@ def setup(argv: list[str] | None) -> tuple[argparse.Namespace, str, torch.nn.Mod
                       (a.hidden >= 8 and a.hidden % 8 == 0, "--hidden must be a positive multiple of 8"),
                       (a.batch >= 1 and 1 <= a.seq < len(_TEXT) // 2, "--batch and --seq must be positive"),
                       (a.world is None or a.world >= 1, "--world must be >= 1"),
-                      (a.group_size is None or a.strategy == "hierarchical" and a.group_size >= 1,
-                       "--group-size applies to --strategy hierarchical and must be >= 1"),
+                      (a.group_size is None or "group_size" in STRATEGIES[a.strategy].option_names()
+                       and a.group_size >= 1,
+                       "--group-size applies to a strategy that takes group_size "
+                       f"({[n for n, c in STRATEGIES.items() if 'group_size' in c.option_names()]}) and must be >= 1"),
                       (a.kills >= 0 and a.checkpoint_every >= 1, "--kills must be >= 0, --checkpoint-every >= 1"),
                       (a.resume_world is None or a.resume_world >= 1, "--resume-world must be >= 1"),
                       (not (a.kills or a.life) or a.backend in ("auto", "host"), "--kills runs on the host backend")]:

@@ -15,7 +15,7 @@ backend ``nccl``; world 1 is a single-process group), with ``reduce_scatter_tens
 (GB/s = 1e9 B/s) and writes JSON (``--json PATH``); ``ratio`` is lowgrad busbw / torch busbw.
 
 ``--mode blocking|nonblocking`` picks lowgrad's NCCL mode (``LOWGRAD_NCCL_BLOCKING``; default:
-the environment's, blocking when unset). Each point also records the host's cost of a call
+the environment's, non-blocking when unset). Each point also records the host's cost of a call
 (``host_us``: ``--iters`` calls issued back to back, no wait between, divided by ``--iters``):
 the figure that issue 33's world-1 bound (within 10% of the non-blocking mode) is checked on.
 """
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="communicator timeout in seconds")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.distributed peer")
     ap.add_argument("--mode", choices=("blocking", "nonblocking"),
-                    help="lowgrad's NCCL mode (default: LOWGRAD_NCCL_BLOCKING, blocking when unset)")
+                    help="lowgrad's NCCL mode (default: LOWGRAD_NCCL_BLOCKING, non-blocking when unset)")
     ap.add_argument("--json", metavar="PATH", help=output_help("nccl_bench.json"))
     args = ap.parse_args(argv)
 

@@ -34,9 +34,10 @@ import numpy as np
 import lowgrad as lg
 from lowgrad.buffers.streams import stream_handle
 from lowgrad.cuda.compiler import kernel
+from lowgrad.managers import STRATEGIES
 
-STRATS = (("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
-          ("all_to_all", True))
+#: every registered strategy, and with offload where it offloads
+STRATS = tuple((name, o) for name, cls in STRATEGIES.items() for o in (False, True) if not o or cls.offloads)
 Pause = Callable[[str], None]
 
 

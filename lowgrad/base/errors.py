@@ -75,6 +75,7 @@ class ProtocolError(LowgradError, ValueError):
 
 
 class CheckpointError(LowgradError, ValueError):
-    """A checkpoint that cannot be loaded: missing, half-written, truncated, corrupted (a checksum
-    differs), foreign (another model, strategy or optimizer) or not this rank's. The message names
-    the file and what is wrong; nothing in the running state changed."""
+    """A checkpoint that cannot be saved or loaded: missing, half-written, truncated, corrupted (a
+    checksum differs), foreign (another model, strategy or optimizer), not this rank's, or a
+    failure of any kind on any rank (raised on every rank, naming it). The message names the file
+    and what is wrong; nothing in the running state changed."""

@@ -107,23 +107,25 @@ def _poll() -> None:
 release.add_poller(_poll)
 
 
-def check_request(device: tuple[int, int], max_version: Any, dl_device: Any, copy: Any) -> tuple[bool, tuple[int, int]]:
-    """Validate ``__dlpack__``'s arguments for memory on DLPack ``device``: (versioned capsule?,
-    the device to name in it). Memory both sides address (``kDLCUDAHost``) is also exported as
-    ``kDLCPU`` when the consumer asks for it (the same memory, no copy: PyTorch 2.11 refuses
-    ``kDLCUDAHost``). BufferError for what cannot be done without a copy, TypeError/ValueError
-    for malformed arguments."""
+def check_request(devices: tuple[tuple[int, int], ...], max_version: Any, dl_device: Any,
+                  copy: Any) -> tuple[bool, tuple[int, int]]:
+    """Validate ``__dlpack__``'s arguments for memory that DLPack can name as any of ``devices``
+    (the first is its own: mapped pinned memory is ``kDLCUDAHost``, also addressable as ``kDLCPU``
+    and, through unified addressing, as ``kDLCUDA`` of its GPU; PyTorch 2.11 refuses
+    ``kDLCUDAHost``): (versioned capsule?, the device to name in it, ``dl_device`` when given).
+    BufferError for what cannot be done without a copy, TypeError/ValueError for malformed
+    arguments."""
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"__dlpack__ copy must be None or a bool, got {copy!r}")
     if copy:
         raise BufferError("lowgrad tensors are exported without copying (copy=True unsupported)")
+    device = devices[0]
     if dl_device is not None:
         if not (isinstance(dl_device, tuple) and len(dl_device) == 2):
             raise TypeError(f"__dlpack__ dl_device must be a (device_type, device_id) tuple, got {dl_device!r}")
-        if device[0] == KDL_CUDA_HOST and tuple(dl_device) == (KDL_CPU, 0):
-            device = (KDL_CPU, 0)
-        elif tuple(dl_device) != device:
+        if tuple(dl_device) not in devices:
             raise BufferError(f"cannot export to DLPack device {dl_device} without a copy; the tensor is on {device}")
+        device = tuple(dl_device)
     if max_version is None:
         return False, device
     if not (isinstance(max_version, tuple) and len(max_version) == 2

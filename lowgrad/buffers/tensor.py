@@ -188,19 +188,21 @@ class Tensor:
         consumer passes ``max_version`` >= (1, 0), legacy otherwise. The memory stays valid until
         the consumer releases the view, whatever is closed meanwhile. The consumer's ``stream``
         is not synchronised with lowgrad's streams: order work through events before sharing."""
-        versioned, device = dlpack.check_request(self._dl_device(), max_version, dl_device, copy)
+        versioned, device = dlpack.check_request(self._dl_devices(), max_version, dl_device, copy)
         return dlpack.to_capsule(self, device, max_version if versioned else None)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """(kDLCUDA, ordinal) for GPU-only memory, (kDLCUDAHost, 0) for memory both the GPU and
         the CPU address, (kDLCPU, 0) for CPU-only memory."""
-        return self._dl_device()
+        return self._dl_devices()[0]
 
-    def _dl_device(self) -> tuple[int, int]:
+    def _dl_devices(self) -> tuple[tuple[int, int], ...]:
+        """The DLPack devices that name this memory without a copy, its own first."""
         on_device, on_host = self._access()
-        if on_device:
-            return (dlpack.KDL_CUDA_HOST, 0) if on_host else (dlpack.KDL_CUDA, self.device.ordinal)
-        return (dlpack.KDL_CPU, 0)
+        if not on_device:
+            return ((dlpack.KDL_CPU, 0),)
+        gpu = (dlpack.KDL_CUDA, self.device.ordinal)
+        return ((dlpack.KDL_CUDA_HOST, 0), (dlpack.KDL_CPU, 0), gpu) if on_host else (gpu,)
 
     def _access(self) -> tuple[bool, bool]:
         """(device-accessible, host-accessible) of the memory; ClosedError before a lazy commit."""

@@ -4,6 +4,6 @@
 from __future__ import annotations
 
 from lowgrad.checkpoint.rows import Rows
-from lowgrad.checkpoint.store import Loaded, agree, latest, load, read, read_manifest, save
+from lowgrad.checkpoint.store import Loaded, agree, latest, load, read, read_manifest, save, verify
 
-__all__ = ["Rows", "Loaded", "save", "read", "load", "latest", "read_manifest", "agree"]
+__all__ = ["Rows", "Loaded", "save", "read", "load", "latest", "read_manifest", "verify", "agree"]

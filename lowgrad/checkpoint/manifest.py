@@ -4,6 +4,7 @@ whole and consistent or refused naming the file."""
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,20 @@ import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype name, which 
 import numpy as np
 
 from lowgrad.base.errors import CheckpointError
+from lowgrad.checkpoint import files
 from lowgrad.managers.state import ManagerState
 
 FORMAT, VERSION = "lowgrad-checkpoint", 2
 NAME = "manifest.json"
+#: the most bytes a ``manifest.json`` may hold. ``save`` refuses to write a larger one, so a larger
+#: file was never a lowgrad manifest and is refused unread (a 4 GiB one would be read whole, and
+#: ``latest()`` end in MemoryError). What a manifest legitimately holds grows with its chunks, one
+#: per array and rank holding rows of it, about 180 bytes each as ``encode`` writes them with the
+#: largest values a field takes (a 1 TB offset, a 10-digit CRC): 1 GiB holds 6 million, e.g. a
+#: 1 000-tensor model's master weights and AdamW's two moments row-sharded at world 1 024 (3 million
+#: chunks, 0.55 GB) nearly twice over, beside ``meta`` (the caller's JSON, kept small).
+MAX_BYTES = 1 << 30
+_INTP_MAX = int(np.iinfo(np.intp).max)  # the most bytes numpy can index: an array larger is none
 _KEYS = {"format", "version", "crc32", "world", "manager", "layout", "meta", "files", "arrays"}
 _CHUNK_KEYS = {"file", "start", "rows", "offset", "bytes", "crc32"}
 
@@ -32,8 +43,13 @@ def checksum(m: dict[str, Any]) -> int:
 
 
 def encode(m: dict[str, Any]) -> bytes:
-    """The manifest's file: ``m`` with its checksum."""
-    return json.dumps({**m, "crc32": checksum(m)}, indent=1, sort_keys=True).encode()
+    """The manifest's file: ``m`` with its checksum; ValueError when it is larger than
+    :data:`MAX_BYTES` (no reader would read it)."""
+    data = json.dumps({**m, "crc32": checksum(m)}, indent=1, sort_keys=True).encode()
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"the manifest would hold {len(data)} bytes, more than a manifest may ({MAX_BYTES}): "
+                         "fewer arrays, fewer ranks, or a smaller meta")
+    return data
 
 
 def cover(chunks: list[dict[str, Any]], rows: int) -> None:
@@ -51,16 +67,17 @@ def cover(chunks: list[dict[str, Any]], rows: int) -> None:
 
 def read(directory: Path) -> dict[str, Any]:
     """The checked manifest of the checkpoint ``directory``: CheckpointError naming the file when
-    it is missing, unreadable, of another format or version, fails its CRC-32, or any field is
-    missing, unknown, of the wrong type or out of range (chunks that overlap, leave rows out, or
-    lie outside their file included)."""
+    it is missing, not a regular file (saying what it is), larger than :data:`MAX_BYTES` (not
+    read), unreadable, of another format or version, fails its CRC-32, or any field is missing,
+    unknown, of the wrong type or out of range (chunks that overlap, leave rows out, or lie
+    outside their file included; sizes are Python integers, so no product wraps)."""
     where = directory / NAME
-    if not where.is_file():
-        raise CheckpointError(f"{where} is missing: {directory} is not a checkpoint, or its save did not finish")
+    raw = files.read_capped(where, MAX_BYTES, "manifest",
+                            missing=f"{directory} is not a checkpoint, or its save did not finish")
     try:
-        m = json.loads(where.read_bytes())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where}: unreadable or not JSON (truncated or corrupted): {e}") from e
+        m = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        raise CheckpointError(f"{where}: not JSON (truncated or corrupted): {e}") from e
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a lowgrad checkpoint manifest")
     if m.get("version") != VERSION:
@@ -112,7 +129,10 @@ def _check(m: dict[str, Any]) -> None:
             raise TypeError(f"{what}: shape is a {type(shape).__name__}, not a list")
         for d in shape:
             _natural(f"{what}: a dimension", d)
-        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize
+        itemsize = np.dtype(entry["dtype"]).itemsize
+        if math.prod(d for d in shape if d) * itemsize > _INTP_MAX:  # numpy's own test of a shape
+            raise ValueError(f"{what}: shape {shape} is larger than any numpy array")
+        row = math.prod(shape[1:]) * itemsize  # Python integers: a product never wraps
         chunks = entry["chunks"]
         if not isinstance(chunks, list):
             raise TypeError(f"{what}: chunks is a {type(chunks).__name__}, not a list")

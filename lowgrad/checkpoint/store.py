@@ -20,6 +20,7 @@ it returns: a checkpoint refused on one rank is refused on all, and nothing has 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import zlib
@@ -30,7 +31,8 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 
 from lowgrad.base.errors import CheckpointError
-from lowgrad.checkpoint import durable, manifest
+from lowgrad.base.trace import logger
+from lowgrad.checkpoint import durable, files, manifest
 from lowgrad.checkpoint.manifest import rank_file
 from lowgrad.checkpoint.rows import Rows
 from lowgrad.managers.state import ManagerState, resume_state
@@ -100,11 +102,13 @@ def save(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows],
     step) and ``arrays`` (this rank's :class:`Rows` of each named array; every rank the same
     names) at ``path``, a directory that must not exist yet; ``meta`` is JSON data every rank
     gives alike (rank 0's is kept). A collective over ``manager.comm``, between steps. Returns
-    the path. CheckpointError on every rank when any rank fails, and no checkpoint appears."""
-    arrays = _check_arrays(arrays, "save")
-    meta_text = json.dumps(dict(meta or {}))  # TypeError here for data JSON cannot hold
-    final = Path(path)
-    state = ManagerState.parse(manager.state_dict()).portable()  # ProtocolError inside a step
+    the path. CheckpointError on every rank when any rank fails (its arguments included: a
+    ``meta`` JSON cannot hold, a save inside a step), and no checkpoint appears."""
+    def check() -> tuple[Path, dict[str, Rows], str, dict[str, Any]]:
+        return (Path(path), _check_arrays(arrays, "save"),
+                json.dumps(dict(meta or {})),  # TypeError here for data JSON cannot hold
+                ManagerState.parse(manager.state_dict()).portable())  # ProtocolError inside a step
+    final, arrays, meta_text, state = agree(manager.comm, check, f"save {path}")
     token = manager.comm.host_allgather(secrets.token_hex(8).encode() if manager.rank == 0 else b"")[0].decode()
     tmp = durable.partial(final, token)  # this save's own: another save never writes into it
     lock: list[int] = []
@@ -197,18 +201,26 @@ def read(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows])
     """This rank's part of the checkpoint at ``path``, checked against ``manager`` and ``arrays``
     (templates: this rank's :class:`Rows` of each array, as :func:`save` was given them; their data
     gives only dtype and row count). Nothing changes: the caller applies what it got. A collective
-    over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint."""
-    arrays = _check_arrays(arrays, "read")
-    found, _ = agree(manager.comm, lambda: _read(Path(path), manager, arrays), f"load {path}",
-                     key=lambda got: got[1])
-    return found
+    over ``manager.comm``; CheckpointError on every rank when any rank refuses the checkpoint or
+    its arguments."""
+    return _read_agreed(path, manager, arrays, restoring=False)
 
 
 def load(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows]) -> Loaded:
     """:func:`read`, then the manager's state restored (placed at its rank and world): what an
-    engine without PyTorch calls, before applying ``Loaded.arrays`` to its own state."""
-    found = read(path, manager, arrays)
+    engine without PyTorch calls, before applying ``Loaded.arrays`` to its own state. A load
+    inside a step is refused with the rest, on every rank, before anything changes."""
+    found = _read_agreed(path, manager, arrays, restoring=True)
     manager.load_state_dict(found.manager.as_dict())
+    return found
+
+
+def _read_agreed(path: str | os.PathLike[str], manager: Any, arrays: Mapping[str, Rows], restoring: bool) -> Loaded:
+    def attempt() -> tuple[Loaded, str]:
+        if restoring:
+            manager.state_dict()  # ProtocolError inside a step, where load_state_dict would raise it
+        return _read(Path(path), manager, _check_arrays(arrays, "read"))
+    found, _ = agree(manager.comm, attempt, f"load {path}", key=lambda got: got[1])
     return found
 
 
@@ -220,8 +232,9 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, st
         saved = resume_state(m["manager"], manager)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: manager: {e} (another run's checkpoint?)") from None
-    if m.get("layout") != _fingerprint(manager):
-        raise CheckpointError(f"{where}: another model: its layout differs from this manager's")
+    mine = _fingerprint(manager)
+    if m["layout"] != mine:
+        raise CheckpointError(f"{where}: another model: {_layout_difference(m['layout'], mine)}")
     names = set(m["arrays"])
     if names != set(wanted):
         raise CheckpointError(f"{where}: another model or optimizer: arrays missing "
@@ -235,6 +248,31 @@ def _read(path: Path, manager: Any, wanted: dict[str, Rows]) -> tuple[Loaded, st
     return Loaded(out, saved, m["meta"], m["world"]), identity
 
 
+def _layout_difference(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """What first differs between a checkpoint's layout (the manifest's: any JSON object) and this
+    manager's (:func:`_fingerprint`): the parameter by name where one differs."""
+    for key, what in (("num_layers", "number of layers"), ("dtype", "gradient dtype")):
+        if saved.get(key) != mine[key]:
+            return f"its {what} is {saved.get(key)!r}, this manager's {mine[key]!r}"
+    for key, what in (("block", "block parameter"), ("non_block", "non-block parameter")):
+        ours = {name: shape for name, shape in mine[key]}
+        theirs = saved.get(key)
+        if not isinstance(theirs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                   for p in theirs):
+            return f"its {what}s are not a list of [name, shape] ({theirs!r:.60})"
+        shapes = {name: shape for name, shape in theirs}
+        for name in [*ours, *(n for n in shapes if n not in ours)]:
+            if name not in shapes:
+                return f"this manager's {what} {name!r} is not in it"
+            if name not in ours:
+                return f"its {what} {name!r} is not this manager's"
+            if shapes[name] != ours[name]:
+                return f"{what} {name!r} is {shapes[name]} there, {ours[name]} in this manager"
+        if theirs != mine[key]:
+            return f"its {what}s are in another order: {[p[0] for p in theirs][:6]}"
+    return f"its layout holds {sorted(saved)}, this manager's {sorted(mine)}"
+
+
 def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str, int]) -> np.ndarray:
     """Rows ``[want.start, want.stop)`` of array ``name`` from the chunks that hold them (the
     manifest checked: they hold every row once), each checked (file size, CRC-32) before use."""
@@ -243,7 +281,7 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
     if dtype != want.data.dtype or shape != want.shape:
         raise CheckpointError(f"{path / manifest.NAME}: array {name!r} is {dtype.name} {list(shape)}, this run's is "
                               f"{want.data.dtype.name} {list(want.shape)} (another model or optimizer?)")
-    row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    row = math.prod(shape[1:]) * dtype.itemsize
     out = np.empty(want.data.shape, dtype)
     flat = out.reshape(-1).view(np.uint8)
     for c in entry["chunks"]:
@@ -259,8 +297,7 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
             fh.seek(c["offset"])
             raw = fh.read(c["bytes"])
         if len(raw) != c["bytes"] or zlib.crc32(raw) != c["crc32"]:
-            raise CheckpointError(f"{file}: the chunk of {name!r} (rows [{c['start']}, {c['start'] + c['rows']}), "
-                                  f"bytes {c['offset']}..{c['offset'] + c['bytes']}) fails its CRC-32 (corrupted)")
+            raise _corrupted(file, name, c)
         if shape:
             flat[(lo - want.start) * row:(hi - want.start) * row] = \
                 np.frombuffer(raw, np.uint8)[(lo - c["start"]) * row:(hi - c["start"]) * row]
@@ -269,27 +306,65 @@ def _rows(path: Path, m: dict[str, Any], name: str, want: Rows, sizes: dict[str,
     return out
 
 
+def _corrupted(file: Path, name: str, c: dict[str, Any]) -> CheckpointError:
+    return CheckpointError(f"{file}: the chunk of {name!r} (rows [{c['start']}, {c['start'] + c['rows']}), "
+                           f"bytes {c['offset']}..{c['offset'] + c['bytes']}) fails its CRC-32 (corrupted)")
+
+
 def _check_size(path: Path, m: dict[str, Any], name: str) -> int:
-    """The size of the checkpoint's file ``name``: CheckpointError naming it when it is missing or
-    not the size the manifest lists."""
+    """The size of the checkpoint's file ``name``: CheckpointError naming it when it is missing,
+    not a regular file (what it is) or not the size the manifest lists."""
     file = path / name
-    try:
-        size = os.stat(file).st_size
-    except OSError as e:
-        raise CheckpointError(f"{file}: missing or unreadable ({e.strerror})") from None
+    size = files.regular(file, "the checkpoint lacks a rank's file").st_size
     if size != m["files"][name]:
         raise CheckpointError(f"{file}: {size} bytes, the manifest says {m['files'][name]} (truncated or replaced)")
     return size
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
+def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` once every byte of it passed its check: the
+    manifest's (as :func:`read_manifest`), every listed file's kind and size, and the CRC-32 of
+    every chunk, read in pieces of :data:`_PIECE` bytes. CheckpointError naming the first file
+    that fails. Not a collective: a pass over the whole checkpoint by the process that calls it."""
+    return _verify(Path(path))
+
+
+def _verify(where: Path) -> dict[str, Any]:
+    m = manifest.read(where)
+    for name in m["files"]:
+        _check_size(where, m, name)
+    by_file: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+    for name, entry in m["arrays"].items():
+        for c in entry["chunks"]:
+            by_file.setdefault(c["file"], []).append((c["offset"], name, c))
+    for file, chunks in sorted(by_file.items()):  # each file opened once, read front to back
+        with open(where / file, "rb") as fh:
+            for offset, name, c in sorted(chunks, key=lambda x: x[:2]):
+                fh.seek(offset)
+                crc, left = 0, c["bytes"]
+                while left:
+                    piece = fh.read(min(left, _PIECE))
+                    if not piece:
+                        break  # the file shrank since its size was checked: the CRC-32 fails
+                    crc, left = zlib.crc32(piece, crc), left - len(piece)
+                if left or crc != c["crc32"]:
+                    raise _corrupted(where / file, name, c)
+    return m
+
+
+_PIECE = 1 << 24  # verify's reads: a chunk of any size in bounded memory
+
+
+def latest(root: str | os.PathLike[str], verify: bool = False) -> Path | None:
     """The whole checkpoint under ``root`` with the highest manager step (ties: the last name),
     or None: directories whose manifest is missing or refused (a save cut short, another file, an
-    edit) or one of whose files is missing or not its listed size are passed over, so after a
-    crash the previous checkpoint is the one resumed. The files' CRC-32s are not read here (that
-    is a pass over every byte): :func:`load` checks those of the bytes it uses."""
-    best: tuple[int, str] | None = None
-    found = None
+    edit, a FIFO) or one of whose files is missing, not a regular file or not its listed size are
+    passed over, so after a crash the previous checkpoint is the one resumed. Without ``verify``
+    the files' CRC-32s are not read (:func:`load` checks those of the bytes it uses); with it,
+    the newest checkpoint every chunk of which passes its CRC-32 (:func:`verify`, newest first:
+    a pass over every byte of each one tried). A directory passed over for any reason but a
+    missing manifest (not a checkpoint) is a WARNING on the ``lowgrad`` logger naming why."""
+    found: list[tuple[int, str, Path]] = []
     for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         if d.name.startswith(".") or not d.is_dir():
             continue
@@ -297,9 +372,21 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
             m = manifest.read(d)
             for name in m["files"]:
                 _check_size(d, m, name)
-        except CheckpointError:
+        except CheckpointError as e:
+            _passed_over(root, d, e)
             continue
-        step = m["manager"]["step"]
-        if best is None or (step, d.name) >= best:
-            best, found = (step, d.name), d
-    return found
+        found.append((m["manager"]["step"], d.name, d))
+    for _, _, d in sorted(found, reverse=True):
+        try:
+            if verify:
+                _verify(d)
+        except CheckpointError as e:
+            _passed_over(root, d, e)
+            continue
+        return d
+    return None
+
+
+def _passed_over(root: str | os.PathLike[str], d: Path, why: CheckpointError) -> None:
+    if os.path.lexists(d / manifest.NAME):  # without one it is no checkpoint: nothing to say
+        logger.warning("checkpoint.latest(%s): %s passed over: %s", os.fspath(root), d.name, why)

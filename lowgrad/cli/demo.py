@@ -21,12 +21,13 @@ from lowgrad.cli.bandwidth import copy_bandwidths
 from lowgrad.cli.demo_report import Result, error_stats, failures, print_results
 from lowgrad.cuda import driver as _cuda
 from lowgrad.managers.layout import Layout, ParamSpec, llama_layout
+from lowgrad.managers.strategies import STRATEGIES
 
 SUMMARY = "run every gradient manager end to end and check the shards against float64"
 DESCRIPTION = """\
 Synthetic gradients (different for every rank, micro-step, layer and tensor) go through every
-gradient manager exactly as an engine would hand them over: unsharded, scatter_reduce and
-all_to_all, each with and without pinned offload. After the last step every rank's shards
+gradient manager exactly as an engine would hand them over: every registered strategy, without
+and (where it offloads) with pinned offload. After the last step every rank's shards
 are compared with a float64 reference. Runs on the GPU when there is one, else on the host
 backend (threads as ranks).
 
@@ -39,8 +40,6 @@ FAIL, 2 for a bad argument or setup (one line on stderr, nothing run)."""
 # A ~107M-parameter Qwen-style model: big enough to load an H200, small enough for a minute.
 GPU_DEFAULT = {"model_type": "qwen2", "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
                "num_key_value_heads": 4, "num_hidden_layers": 8, "vocab_size": 16384, "tie_word_embeddings": True}
-RUNS = (("unsharded", False), ("scatter_reduce", False), ("scatter_reduce", True), ("all_to_all", False),
-        ("all_to_all", True))
 _WINDOW = 1 << 16  # pool windows start at one of this many offsets
 _ENGINE_SEED = 0xE6
 
@@ -68,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive, help="override num_hidden_layers")
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
     p.add_argument("--world", type=positive, help="ranks (threads); default 1 on the GPU, 2 on the host")
-    p.add_argument("--strategy", choices=("all", "unsharded", "scatter_reduce", "all_to_all"), default="all")
+    p.add_argument("--strategy", choices=("all", *STRATEGIES), default="all")
     p.add_argument("--offload", nargs="?", const="on", choices=("both", "off", "on"), default="both",
                    help="the runs with pinned offload, without it, or both (default); --offload alone is on, "
                         "as in examples/train_lm.py")
@@ -200,15 +199,13 @@ class _Bar:
 
 
 def _bytes_per_micro(layout: Layout, strategy: str, world: int, first: bool) -> int:
-    """Bytes the engine and the manager must move per micro-step (bf16), excluding NCCL."""
+    """Bytes the engine and the manager must move per micro-step (bf16), excluding NCCL: the
+    engine writes every gradient (and adds into the blocks too where the strategy keeps them
+    whole), the strategy's kernels move what :meth:`Strategy.micro_step_bytes` says."""
     B, NB = 2 * layout.block_numel * layout.num_layers, 2 * layout.non_block_numel
-    engine = 2 * (B + NB) if first else (3 * (B + NB) if strategy == "unsharded" else 2 * B + 3 * NB)
-    if strategy == "unsharded":
-        return engine
-    manager = (2 if first else 3) * B // world
-    if strategy == "all_to_all" and world > 1:
-        manager += (world + 1) * B // world
-    return engine + manager
+    cls = STRATEGIES[strategy]
+    engine = 2 * (B + NB) if first else (2 * B if cls.sharded else 3 * B) + 3 * NB
+    return engine + cls.micro_step_bytes(B, world, first).device
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, LowgradError) as exc:
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
-    runs = [(s, o) for s, o in RUNS if args.strategy in ("all", s) and
-            (not o or args.offload in ("both", "on")) and (o or args.offload in ("both", "off"))]
+    # every registered strategy, and with offload where it offloads
+    runs = [(s, o) for s, cls in STRATEGIES.items() for o in (False, True) if args.strategy in ("all", s) and
+            (not o or cls.offloads and args.offload in ("both", "on")) and (o or args.offload in ("both", "off"))]
     max_numel = max(s.numel for _, _, s in _specs(layout))
     rng = np.random.default_rng(args.seed)
     pool = (rng.standard_normal(max_numel + _WINDOW, dtype=np.float32) * 0.01).astype(bf16.np)

@@ -174,29 +174,11 @@ def _nccl() -> str:
     try:
         nccl.lib()
     except nccl.NcclLibraryError:
-        if _nccl_absent():
+        if nccl.library_absent():
             return Absent(f"not installed (no libnccl in the nvidia-nccl-cu12/-cu13 wheels nor on the loader "
-                          f"path; LOWGRAD_NCCL_LIBRARY unset): {_GET_GPU_STACK}")
+                          f"path; {nccl.LIBRARY_ENV} unset): {_GET_GPU_STACK}")
         raise  # a library that is there but does not load, or lacks symbols: FAILED
     return f"NCCL {'.'.join(map(str, nccl.version()))} from {nccl.library_path()}"
-
-
-def _nccl_absent() -> bool:
-    """Whether there is no NCCL anywhere lowgrad looks (lowgrad.cuda.nccl's order): no
-    LOWGRAD_NCCL_LIBRARY, no libnccl in an NVIDIA wheel, none that ctypes.util.find_library knows,
-    and the loader has no file named libnccl.so.2 (its error names that file, not a dependency)."""
-    import ctypes
-    import ctypes.util
-
-    from lowgrad.cuda import nccl
-
-    if os.environ.get("LOWGRAD_NCCL_LIBRARY") or nccl._wheel_candidates() or ctypes.util.find_library("nccl"):
-        return False
-    try:
-        ctypes.CDLL("libnccl.so.2")
-    except OSError as exc:
-        return str(exc).startswith("libnccl.so.2: cannot open shared object file")
-    return False
 
 
 def _gpus() -> str:

@@ -1,23 +1,33 @@
 """The NCCL communicator of the CUDA backend.
 
-Two modes, chosen per communicator (``blocking=``; default: ``LOWGRAD_NCCL_BLOCKING``, ``1``
+Two modes, chosen per communicator (``blocking=``; default: ``LOWGRAD_NCCL_BLOCKING``, ``0``
 when unset):
 
-- **blocking** (the default, as PyTorch's ProcessGroupNCCL): NCCL calls return once their work
-  is queued, with no thread and no poll per call. NCCL's ``ncclGroupEnd`` hands every launch
-  that involves a peer of a *non-blocking* communicator to a new thread and returns
-  ``ncclInProgress``, which the caller must then poll: a thread creation and a sleeping poll per
-  collective at world >= 2. Instead a :class:`~lowgrad.runtime.watchdog.Watchdog` thread per
-  communicator bounds what the issuing thread no longer watches: the work each call queued (a
-  CUDA event recorded after it, from a ring made once; at world 1 no peer can leave a call
-  unfinished, so none is recorded), a call blocked in the host (NCCL's lazy connection setup at
-  the first call with a peer), ``ncclCommGetAsyncError`` and the ``abort_event``. When ``timeout``
-  passes, it calls ``ncclCommAbort`` (which also ends a call stuck in the host) and every later
-  call raises its reason. Initialisation stays bounded by ``timeout``: the communicator is made
-  non-blocking and polled, then split (``ncclCommSplit``) into the blocking one it uses.
-- **non-blocking** (``blocking=False``, ``LOWGRAD_NCCL_BLOCKING=0``): every call that returns
-  ``ncclInProgress`` is polled until NCCL has taken it (sleeps from 20 us, doubling), in the
-  calling thread; no watchdog. Kept for the A/B against the blocking mode.
+- **non-blocking** (the default, :data:`DEFAULT_BLOCKING`; ``blocking=False``,
+  ``LOWGRAD_NCCL_BLOCKING=0``): every call that returns ``ncclInProgress`` is polled until NCCL
+  has taken it (sleeps from 20 us, doubling), in the calling thread; no watchdog. The default
+  because it is the mode proven on hardware: the whole GPU suite passed in it on an H100
+  (2026-12-06), as it had on the H200 before; the blocking mode passed the same suite that day
+  but has never run at world 2 on two GPUs (docs/design.md says what would make it the default).
+- **blocking** (opt-in, ``blocking=True``, ``LOWGRAD_NCCL_BLOCKING=1``; PyTorch's
+  ProcessGroupNCCL's choice): NCCL calls return once their work is queued, with no thread and no
+  poll per call. NCCL's ``ncclGroupEnd`` hands every launch that involves a peer of a
+  *non-blocking* communicator to a new thread and returns ``ncclInProgress``, which the caller
+  must then poll: a thread creation and a sleeping poll per collective at world >= 2. Instead a
+  :class:`~lowgrad.runtime.watchdog.Watchdog` thread per communicator bounds what the issuing
+  thread no longer watches: the work each call queued (a CUDA event recorded after it, from a
+  ring made once; at world 1 no peer can leave a call unfinished, so none is recorded), a call
+  blocked in the host (NCCL's lazy connection setup at the first call with a peer),
+  ``ncclCommGetAsyncError`` and the ``abort_event``. When ``timeout`` passes, it calls
+  ``ncclCommAbort`` (which also ends a call stuck in the host) and every later call raises its
+  reason. Initialisation stays bounded by ``timeout``: the communicator is made non-blocking and
+  polled, then split (``ncclCommSplit``) into the blocking one it uses.
+
+On a non-blocking communicator NCCL may answer any call (init, split, finalize, a collective, a
+group's end) with ``ncclInProgress``, and a split even with ncclSuccess while it still runs (NCCL
+2.28); the communicator refuses every other call until ``ncclCommGetAsyncError`` reports
+ncclSuccess, and a split's child exists only from then on. So every such point is polled to
+ncclSuccess (bounded by ``timeout`` and the ``abort_event``) before the next call.
 
 Every collective is asynchronous: it queues NCCL work on the given stream (``None``: the device's
 default stream, the CUDA legacy stream; inside :meth:`Communicator.group`: the group's stream)
@@ -62,6 +72,7 @@ from lowgrad.runtime.threads import AbortEvent
 from lowgrad.runtime.watchdog import Watchdog
 
 BLOCKING_ENV = "LOWGRAD_NCCL_BLOCKING"
+DEFAULT_BLOCKING = False  # the mode last proven on hardware (the module docstring)
 _RING = 256  # events per communicator: calls whose completion the watchdog can tell apart
 # seconds an abort waits for the communicator's lock: a call holding it longer is blocked in the
 # host inside NCCL (connection setup), and only ncclCommAbort, which cannot wait for it, ends it
@@ -72,14 +83,15 @@ _ABANDONED_CELLS: list[Any] = []
 
 
 def blocking_mode(blocking: Any = None) -> bool:
-    """``blocking`` (a bool), or with None ``LOWGRAD_NCCL_BLOCKING``: ``1`` (also when unset) or
-    ``0``; anything else is a ValueError (a TypeError for a non-bool argument)."""
+    """``blocking`` (a bool), or with None ``LOWGRAD_NCCL_BLOCKING``: ``1`` or ``0``, unset (or
+    empty) :data:`DEFAULT_BLOCKING`; anything else is a ValueError (a TypeError for a non-bool
+    argument)."""
     if blocking is None:
         env = os.environ.get(BLOCKING_ENV, "").strip()
         if env not in ("", "0", "1"):
             raise ValueError(f"{BLOCKING_ENV} must be 1 (blocking NCCL calls and a watchdog) or 0 (non-blocking, "
                              f"polled), got {env!r}")
-        return env != "0"
+        return DEFAULT_BLOCKING if env == "" else env == "1"
     if not isinstance(blocking, bool):
         raise TypeError(f"blocking must be True, False or None ({BLOCKING_ENV}), got {blocking!r}")
     return blocking
@@ -94,7 +106,7 @@ class Communicator(GpuCommBase):
     Setting ``abort_event`` (a ``threading.Event``) from any thread aborts a pending
     initialisation or wait (``run_threads`` uses it when another rank fails; an
     :class:`~lowgrad.runtime.threads.AbortEvent` also gives the reason every later call raises).
-    ``blocking``: see the module docstring (None: ``LOWGRAD_NCCL_BLOCKING``, blocking when unset).
+    ``blocking``: see the module docstring (None: ``LOWGRAD_NCCL_BLOCKING``, non-blocking when unset).
     """
 
     def __init__(self, rank: int, world: int, unique_id: bytes, device: Any, timeout: float | None = None,
@@ -177,18 +189,18 @@ class Communicator(GpuCommBase):
 
     def _split_handle(self, color: int, key: int) -> int:
         """``ncclCommSplit`` of this communicator's handle into a child of this mode, settled.
-        On a non-blocking handle the split runs on NCCL's thread (ncclInProgress): the handle
+        On a non-blocking handle the split runs on NCCL's thread even when the call returned
+        ncclSuccess (NCCL 2.28 does: its group's ncclInProgress is not passed on): the handle
         refuses every call until its asynchronous state is ncclSuccess, and NCCL hands out the
-        child only then, so the handle is polled first (bounded by the timeout and the abort
-        event), then the child until it is ready. A blocking split returns complete (the
-        watchdog bounds it); its child is looked at once the same way."""
+        child only then. So the handle is polled first (bounded by the timeout and the abort
+        event; a blocking one answers ncclSuccess at once), then the child until it is ready."""
         with self._lock:
             self._live("split")
             with self._call(None):
-                cell, rc = nccl.comm_split(self.handle, color, key, self.blocking)
+                cell, _ = nccl.comm_split(self.handle, color, key, self.blocking)
         handle = 0
         try:
-            self._settle("ncclCommSplit", rc, self.timeout)
+            self._settle("ncclCommSplit", nccl.IN_PROGRESS, self.timeout)
             handle = cell.value or 0
             if not handle:
                 raise NcclError("ncclCommSplit", 3, "ncclInternalError", "the split completed without a communicator",
@@ -197,7 +209,7 @@ class Communicator(GpuCommBase):
         except BaseException:
             if handle:
                 nccl.comm_abort(handle)
-            elif rc == nccl.IN_PROGRESS:
+            else:
                 _ABANDONED_CELLS.append(cell)  # NCCL's thread may still write it
             raise
         return handle

@@ -211,6 +211,11 @@ class Device(DeviceBase):
         self.synchronize()
         if dst.nbytes:
             _cuda.check("cuMemcpyHtoD", _cuda.driver().cuMemcpyHtoD(dst.ptr, arr.ctypes.data, dst.nbytes))
+            # from pageable memory the call returns once the bytes are staged, before the DMA has
+            # landed (CUDA's documented sync behaviour): a kernel queued next on a non-blocking
+            # stream could read the old bytes (the likely cause of two reduce_sr mismatches on an
+            # H100 with two test processes sharing it, 2026-12-06)
+            _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
 
     def __repr__(self) -> str:
         return f"Device({self.ordinal})"

@@ -141,36 +141,61 @@ def _open(path: str) -> ctypes.CDLL:
     return lib
 
 
+#: the environment variable naming the libnccl to load (read here only: every layer asks this module)
+LIBRARY_ENV = "LOWGRAD_NCCL_LIBRARY"
+_SYSTEM_NAME = "libnccl.so.2"  # the last resort: the system loader's search path
+
+
+def library_candidates() -> list[str]:
+    """Where NCCL is looked for, in the order :func:`lib` tries them (nothing is loaded): the
+    path in ``LOWGRAD_NCCL_LIBRARY`` alone when it is set, else the ``libnccl.so*`` of the
+    NVIDIA wheels (:func:`_wheel_candidates`, the best match first), what
+    ``ctypes.util.find_library("nccl")`` knows, and ``libnccl.so.2`` on the loader's path."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        return [env]
+    found = [*_wheel_candidates(), ctypes.util.find_library("nccl") or "", _SYSTEM_NAME]
+    return list(dict.fromkeys(p for p in found if p))
+
+
+def library_absent() -> bool:
+    """Whether there is no NCCL anywhere :func:`library_candidates` looks: no
+    ``LOWGRAD_NCCL_LIBRARY``, no libnccl in an NVIDIA wheel, none that ``find_library`` knows, and
+    the loader has no file named ``libnccl.so.2`` (its error names that file, not a dependency).
+    False where a library is there but does not load: that is a broken install, not an absent one
+    (the doctor tells the two apart by this)."""
+    if library_candidates() != [_SYSTEM_NAME]:
+        return False
+    try:
+        ctypes.CDLL(_SYSTEM_NAME)
+    except OSError as exc:
+        return str(exc).startswith(f"{_SYSTEM_NAME}: cannot open shared object file")
+    return False
+
+
 def _load() -> ctypes.CDLL:
     global _lib, _path
     with _lock:
         if _lib is not None:
             return _lib
-        env = os.environ.get("LOWGRAD_NCCL_LIBRARY")
-        if env:
+        env = os.environ.get(LIBRARY_ENV)
+        tried: dict[str, str] = {}  # path -> why it was not used
+        found: ctypes.CDLL | None = None
+        for path in library_candidates():
             try:
-                lib, path = _open(env), env
+                found = _open(path)
+                break
             except (OSError, NcclLibraryError) as exc:
-                raise NcclLibraryError(f"LOWGRAD_NCCL_LIBRARY={env!r} cannot be loaded as NCCL: {exc}") from None
-        else:
-            tried: dict[str, str] = {}  # path -> why it was not used
-            found: ctypes.CDLL | None = None
-            for path in _wheel_candidates() + [ctypes.util.find_library("nccl") or "", "libnccl.so.2"]:
-                if not path or path in tried:
-                    continue
-                try:
-                    found = _open(path)
-                    break
-                except (OSError, NcclLibraryError) as exc:
-                    tried[path] = str(exc)
-            if found is None:
-                raise NcclLibraryError(
-                    "NCCL not found: install nvidia-nccl-cu12 or nvidia-nccl-cu13, or set "
-                    f"LOWGRAD_NCCL_LIBRARY to libnccl.so.2 (tried: {'; '.join(tried.values())})")
-            lib = found
-        _path = getattr(lib, "_name", path) or path
-        _lib = lib
-        return lib
+                tried[path] = str(exc)
+        if found is None:
+            if env:
+                raise NcclLibraryError(f"{LIBRARY_ENV}={env!r} cannot be loaded as NCCL: {tried[env]}")
+            raise NcclLibraryError(
+                "NCCL not found: install nvidia-nccl-cu12 or nvidia-nccl-cu13, or set "
+                f"{LIBRARY_ENV} to libnccl.so.2 (tried: {'; '.join(tried.values())})")
+        _path = getattr(found, "_name", path) or path
+        _lib = found
+        return found
 
 
 def lib() -> ctypes.CDLL:
@@ -239,10 +264,12 @@ def comm_split(comm: int, color: int, key: int, blocking: bool) -> tuple[c_void_
     (``splitShare`` 0) and ``blocking`` mode. Returns ``(newcomm, rc)``: ``newcomm`` is the
     ``ncclComm_t`` cell NCCL writes the child into. A blocking split blocks the host until every
     rank has called it and returns with the cell filled; ``ncclCommAbort`` of the parent ends it.
-    On a non-blocking parent (rc == IN_PROGRESS) the split runs on NCCL's own thread: the cell
-    stays NULL until :func:`comm_get_async_error` of the *parent* reports ncclSuccess (NCCL
-    writes it then), and the parent refuses every other call until that moment. So the caller
-    keeps the cell alive until then, and longer when it gives up: NCCL may still write it."""
+    On a non-blocking parent the split runs on NCCL's own thread, whatever rc says (NCCL 2.28
+    returns ncclSuccess there: the group's ncclInProgress is not passed on): the cell stays NULL
+    until :func:`comm_get_async_error` of the *parent* reports ncclSuccess (NCCL writes it
+    then), and the parent refuses every other call until that moment. So the caller polls the
+    parent, and keeps the cell alive until then, and longer when it gives up: NCCL may still
+    write it."""
     cfg = _config(blocking)
     cfg.splitShare = 0
     newcomm = c_void_p()

@@ -14,6 +14,15 @@ killed in the middle of a write leaves a cut last line; the resumed run's log en
 newline before it appends (a WARNING says so), and :func:`read_log` leaves that one line out, so
 a crashed-and-resumed run's log reads completely, less the cut line.
 
+A run resumed from a checkpoint repeats the steps its previous life ran after that checkpoint:
+the log's running state (the noise scales' moving averages, the step it expects next) is saved
+with the checkpoint (:meth:`StepLog.state_dict`) and restored with it
+(:meth:`StepLog.load_state_dict`), and the resumed log writes one line before its first record,
+``{"format": 1, "resumed": {"step": S}}`` (S: that record's step). The lines above it of step >= S
+are the superseded copies; :func:`read_log` leaves them out, so the log reads as the
+uninterrupted run's, field by field, and the file keeps them (the evidence of what happened
+before the crash).
+
 A line (``format`` 1; non-finite numbers are written as null: the line is strict JSON)::
 
     {"format": 1, "step": 812, "rank": 0, "world": 8, "micro_steps": 4,
@@ -26,6 +35,8 @@ A line (``format`` 1; non-finite numbers are written as null: the line is strict
     SUMMARY = {"norm": ..., "nonfinite": ..., "maxabs": ..., "noise": NOISE, "noise_local": NOISE}
     NOISE = {"g2": ..., "trace": ..., "b_simple": ..., "ema": {"g2": ..., "trace": ..., "b_simple": ...}}
             or null (nothing to estimate from this step)
+
+and the line of a resumed run (above): ``{"format": 1, "resumed": {"step": 812}}``.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ from typing import IO, Any
 
 from lowgrad.base.integers import integer
 from lowgrad.base.trace import logger
-from lowgrad.diagnostics.log_format import FORMAT, check_record
+from lowgrad.diagnostics.log_format import FORMAT, RESUMED, check_record, check_resumed
 from lowgrad.diagnostics.noise_scale import NoiseScale, NoiseScaleEMA
 from lowgrad.diagnostics.report import StepStats, Summary
 
@@ -86,7 +97,9 @@ class StepLog:
     """The JSON-lines log of a run: create it on every rank with the rank's number; rank 0 opens
     ``path`` (appending: a resumed run continues its log) and writes, the others only keep the
     noise scales' moving averages (``ema_decay``, :class:`NoiseScaleEMA`) so that every rank's
-    :meth:`record` returns the same line. ``per_tensor`` adds every parameter to each line."""
+    :meth:`record` returns the same line. ``per_tensor`` adds every parameter to each line.
+    :meth:`state_dict` / :meth:`load_state_dict`: its running state, part of a checkpoint (the
+    module's docstring)."""
 
     def __init__(self, path: str | os.PathLike[str], *, rank: int, per_tensor: bool = False,
                  ema_decay: float = 0.9) -> None:
@@ -96,6 +109,8 @@ class StepLog:
         self.ema = NoiseScaleEMA(ema_decay)
         self.path, self.per_tensor = os.fspath(path), per_tensor
         self._file: IO[str] | None = None
+        self._next: int | None = None  # the step after the last one recorded (None: none yet)
+        self._resumed = False  # a state was loaded: the next record is a resumed run's first
         if self.rank == 0:
             self._file = open(self.path, "a", encoding="utf-8")
             self._end_cut_line()
@@ -123,11 +138,47 @@ class StepLog:
         if stats.rank != self.rank:
             raise ValueError(f"statistics of rank {stats.rank} given to the log of rank {self.rank}")
         record = step_record(stats, skipped=skipped, ema=self.ema, per_tensor=self.per_tensor)
+        head = ""
+        if self._resumed:
+            self._resumed = False
+            head = json.dumps({"format": FORMAT, RESUMED: {"step": stats.step}}) + "\n"
+            if self._next is not None and stats.step != self._next and self.rank == 0:
+                logger.warning("gradient log %s: resumed at step %d, but its state was saved after step %d (saved "
+                               "before the step's record, or another checkpoint's?): the moving averages are not "
+                               "an uninterrupted run's", self.path, stats.step, self._next - 1)
+        self._next = stats.step + 1
         if self.rank == 0:
             if record["nonfinite"] is not None:
                 logger.warning("%s", record["nonfinite"]["message"])
-            self._write(json.dumps(record, allow_nan=False) + "\n", f"step {stats.step}")
+            self._write(head + json.dumps(record, allow_nan=False) + "\n", f"step {stats.step}")
         return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """The log's running state as JSON data, to save in a checkpoint taken after this step's
+        :meth:`record` (``meta``): the moving averages (:meth:`NoiseScaleEMA.state_dict`) and the
+        step it expects next."""
+        return {"ema": self.ema.state_dict(), "step": self._next}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from a :meth:`state_dict` (a checkpoint's): the moving averages restored, and the
+        next record preceded by the resumed line that supersedes the copies above it (the
+        module's docstring). Checked whole first (:meth:`check_state`): ValueError or TypeError
+        naming the entry, nothing changed. The next record's step should be the state's; another
+        one is a WARNING on the ``lowgrad`` logger (the averages then differ from an
+        uninterrupted run's)."""
+        self.check_state(state)
+        self.ema.load_state_dict(state["ema"])
+        self._next, self._resumed = state["step"], True
+
+    def check_state(self, state: Any) -> None:
+        """What :meth:`load_state_dict` checks, changing nothing: for a caller that must know the
+        state loads before it changes anything else (``lowgrad.torch.load_checkpoint``)."""
+        if not isinstance(state, dict) or set(state) != {"ema", "step"}:
+            raise ValueError(f"a StepLog state holds exactly 'ema' and 'step', got {state!r:.80}")
+        step = state["step"]
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"a StepLog state's step is an int >= 0 or None, got {step!r:.60}")
+        self.ema.check_state(state["ema"])
 
     def _write(self, line: str, what: str) -> None:
         if self._file is None:  # closed, or stopped by a failed write
@@ -157,14 +208,15 @@ class StepLog:
         self.close()
 
 
-#: how every line starts (``json.dumps`` of a record whose first key is ``format``): a line that
-#: does not parse and starts so, or is the start of it, is a write cut short by a crash
-_HEAD = json.dumps({"format": FORMAT, "step": 0})[:-2]
+#: how every line starts (``json.dumps`` of a record, or of a resumed line, whose first key is
+#: ``format``): a line that does not parse and starts so, or is the start of it, is a write cut
+#: short by a crash
+_HEADS = (json.dumps({"format": FORMAT, "step": 0})[:-2], json.dumps({"format": FORMAT, RESUMED: 0})[:-2])
 
 
 def _cut(line: str) -> bool:
-    """Whether ``line`` (which does not parse) is the start of a record: a write cut short."""
-    return line.startswith(_HEAD) or _HEAD.startswith(line)
+    """Whether ``line`` (which does not parse) is the start of a line: a write cut short."""
+    return any(line.startswith(head) or head.startswith(line) for head in _HEADS)
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -173,12 +225,13 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     parse) is left out: the text after the last newline silently (a run killed, or still
     running, in the middle of a write), one inside the file (a run killed there, then resumed:
     :class:`StepLog` ends the cut line before it appends) with a WARNING on the ``lowgrad``
-    logger naming the line. Any other line that is not a well-formed record of this format is a
-    ValueError naming the line and the field."""
+    logger naming the line. A resumed run's line ``{"format": 1, "resumed": {"step": S}}`` leaves
+    out the records above it of step >= S (superseded: the module's docstring). Any other line
+    that is not a well-formed record of this format is a ValueError naming the line and the field."""
     where = os.fspath(path)
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
-    records = []
+    records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -192,7 +245,11 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                                where, number, len(line))
             continue
         try:
-            records.append(check_record(record))
+            if isinstance(record, dict) and RESUMED in record:
+                resumed = check_resumed(record)
+                records = [r for r in records if r["step"] < resumed]
+            else:
+                records.append(check_record(record))
         except ValueError as exc:
             raise ValueError(f"{where}:{number}: {exc}") from None
     return records

@@ -1,7 +1,8 @@
 """The gradient log's line format (``format`` 1, :mod:`lowgrad.diagnostics.log` writes it),
-checked once: :func:`check_record` is what :func:`~lowgrad.diagnostics.log.read_log` applies to
-every line, so every reader (``tools/grad_report.py``) gets well-formed records or a ValueError
-naming the line and the field, never a KeyError or TypeError of its own later."""
+checked once: :func:`check_record` (a step's line) and :func:`check_resumed` (the line a resumed
+run writes first) are what :func:`~lowgrad.diagnostics.log.read_log` applies to every line, so
+every reader (``tools/grad_report.py``) gets well-formed records or a ValueError naming the line
+and the field, never a KeyError or TypeError of its own later."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,9 @@ from typing import Any
 
 #: the format number every line carries first (``{"format": 1, "step": ...}``)
 FORMAT = 1
+#: the key of the line a resumed run writes before its first record:
+#: ``{"format": 1, "resumed": {"step": S}}``; the lines above it of step >= S are superseded
+RESUMED = "resumed"
 
 
 def _where(path: str, key: str | int) -> str:
@@ -127,3 +131,17 @@ def check_record(record: Any) -> dict[str, Any]:
         if report["micro_step"] is not None:
             _int(report["micro_step"], "nonfinite.micro_step", 0)
     return record
+
+
+def check_resumed(line: Any) -> int:
+    """The step S of a resumed run's line ``{"format": 1, "resumed": {"step": S}}`` (every line
+    above it of step >= S is superseded: written between the checkpoint and the crash, and
+    written again after it); ValueError naming the field unless it is exactly that."""
+    if not isinstance(line, dict) or set(line) != {"format", RESUMED} or line["format"] != FORMAT \
+            or isinstance(line["format"], bool):
+        raise ValueError(f"a resumed line is exactly {{\"format\": {FORMAT}, \"{RESUMED}\": {{\"step\": S}}}}, "
+                         f"got {line!r:.80}")
+    marker = _object(line[RESUMED], RESUMED, ("step",))
+    if set(marker) != {"step"}:
+        raise ValueError(f"{RESUMED} must hold only step, got {sorted(marker)}")
+    return _int(marker["step"], f"{RESUMED}.step", 0)

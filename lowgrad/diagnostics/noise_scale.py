@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -89,7 +90,10 @@ class NoiseScaleEMA:
     so per-step ratios are heavy-tailed and averaging them converges to nothing useful, while
     the ratio of the averages converges to B_simple (what McCandlish et al. do). The averages
     are debiased (divided by the weight the steps so far carry, as Adam does), so the first
-    steps are not pulled towards zero; a step without an estimate leaves them as they were."""
+    steps are not pulled towards zero; a step without an estimate leaves them as they were.
+
+    :meth:`state_dict` and :meth:`load_state_dict` carry the averages across a restart (in a
+    checkpoint), so that a resumed run's averages are the uninterrupted run's, bit for bit."""
 
     def __init__(self, decay: float = 0.9) -> None:
         if not 0.0 < decay < 1.0:
@@ -109,3 +113,60 @@ class NoiseScaleEMA:
             return None
         g2, trace, weight = self._sums[key]
         return NoiseScale.of(g2 / weight, trace / weight)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running averages as JSON data: ``{"decay": d, "sums": [[key, g2, trace, weight],
+        ...]}``, each key as JSON holds it (a tuple as a list). TypeError for a key that is not a
+        str, int, float, bool, None or a tuple of them (JSON could not give it back)."""
+        return {"decay": self.decay, "sums": [[_key_to_json(k), g2, trace, weight]
+                                              for k, (g2, trace, weight) in self._sums.items()]}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore the averages of a :meth:`state_dict` (as saved, or read back from JSON),
+        checked whole first: ValueError naming the entry (TypeError for one of the wrong type)
+        and nothing changed, for another decay than this one's, a duplicate key, a weight
+        outside (0, 1] or anything not of the form above."""
+        self._sums = self._parse(state)
+
+    def check_state(self, state: Any) -> None:
+        """What :meth:`load_state_dict` checks, changing nothing."""
+        self._parse(state)
+
+    def _parse(self, state: Any) -> dict[Hashable, tuple[float, float, float]]:
+        if not isinstance(state, dict) or set(state) != {"decay", "sums"}:
+            raise ValueError(f"a NoiseScaleEMA state holds exactly 'decay' and 'sums', got {state!r:.80}")
+        if state["decay"] != self.decay:
+            raise ValueError(f"the state's averages were kept with decay {state['decay']!r}, this one's is "
+                             f"{self.decay!r}")
+        if not isinstance(state["sums"], list):
+            raise TypeError(f"a NoiseScaleEMA state's sums are a list, got {type(state['sums']).__name__}")
+        sums: dict[Hashable, tuple[float, float, float]] = {}
+        for i, entry in enumerate(state["sums"]):
+            if not isinstance(entry, list) or len(entry) != 4:
+                raise ValueError(f"sums[{i}] must be [key, g2, trace, weight], got {entry!r:.80}")
+            key, values = _key_from_json(entry[0], f"sums[{i}]"), entry[1:]
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+                raise TypeError(f"sums[{i}]: g2, trace and weight must be numbers, got {values!r:.80}")
+            if not 0.0 < values[2] <= 1.0:
+                raise ValueError(f"sums[{i}]: a weight is in (0, 1], got {values[2]!r}")
+            if key in sums:
+                raise ValueError(f"sums[{i}]: the key {key!r} twice")
+            sums[key] = (float(values[0]), float(values[1]), float(values[2]))
+        return sums
+
+
+def _key_to_json(key: Hashable) -> Any:
+    if isinstance(key, tuple):
+        return [_key_to_json(k) for k in key]
+    if key is None or isinstance(key, (str, int, float)):
+        return key
+    raise TypeError(f"a NoiseScaleEMA key of type {type(key).__name__} cannot be saved (JSON holds str, int, "
+                    "float, bool, None and tuples of them)")
+
+
+def _key_from_json(key: Any, where: str) -> Hashable:
+    if isinstance(key, list):
+        return tuple(_key_from_json(k, where) for k in key)
+    if key is None or isinstance(key, (str, int, float)):
+        return key
+    raise TypeError(f"{where}: a key is a str, int, float, bool, None or a list of them, got {key!r:.80}")

@@ -16,15 +16,16 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
                             stats: bool = False, **options: Any) -> GradientManager:
     """A gradient manager for this rank (``comm.rank`` of ``comm.world`` on ``comm.device``).
 
-    ``strategy``: "unsharded" (ZeRO-1), "scatter_reduce" or "all_to_all" (sharded blocks);
-    ``offload``: block shards in pinned host memory (sharded strategies only); ``dtype``: bf16 or
-    fp32 gradients; ``seed``: the base seed of the SR noise; ``step``: the optimizer step to run
-    first; ``rounding`` (sharded strategies, bf16 shards): how each add into a shard rounds,
-    "ldsr" (low-discrepancy SR, the default), "sr" (stochastic rounding, fresh noise each
-    micro-step) or "rn" (round to nearest even). The unsharded strategy rounds nothing itself (the
-    engine adds into the full gradients) and takes no ``rounding``.
+    ``strategy``: a name in :data:`STRATEGIES` (the registry; docs/design.md describes each), whose
+    class says what it does: ``offload`` (block shards in pinned host memory) where its
+    ``offloads``, ``rounding`` where it ``rounds()``; ``dtype``: bf16 or fp32 gradients; ``seed``:
+    the base seed of the SR noise; ``step``: the optimizer step to run first; ``rounding`` (bf16
+    shards): how each add into a shard rounds, "ldsr" (low-discrepancy SR, the default), "sr"
+    (stochastic rounding, fresh noise each micro-step) or "rn" (round to nearest even). A strategy
+    that rounds nothing itself (the engine adds into the full gradients) takes no ``rounding``.
 
-    ``inline`` (sharded strategies at world 1 with device shards): where there is nothing to
+    ``inline`` (where the strategy's ``inline_refusal`` allows it: world 1 with device shards for
+    the strategies that accumulate): where there is nothing to
     exchange, accumulate on the engine's stream (micro-step 0 written straight into the shards,
     later SR adds queued at ``notify_block`` on the engine's stream) rather than on the
     communication stream beside the engine's work. None (the default) means True where possible;
@@ -37,8 +38,8 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     rank's own gradient before the exchange at world > 1; read them with ``gm.stats()`` /
     ``gm.step_stats()`` (docs/diagnostics.md).
 
-    ``options``: the strategy's own (``STRATEGIES[strategy].check`` says which; a strategy
-    without options refuses every one with TypeError).
+    ``options``: the strategy's own (``STRATEGIES[strategy].option_names()``, e.g. ``group_size``;
+    a strategy without options refuses every one with TypeError).
     """
     return GradientManager(layout, comm, strategy, offload=offload, dtype=dtype, seed=seed, step=step,
                            rounding=rounding, inline=inline, stats=stats, **options)

@@ -89,9 +89,9 @@ class GradientManager:
             raise TypeError(f"offload must be a bool, got {type(offload).__name__} {offload!r}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats must be a bool, got {type(stats).__name__} {stats!r}")
-        if rounding is not None and cls.default_rounding is None:
+        if rounding is not None and not cls.rounds():
             raise ValueError(f"rounding={rounding!r}: the {self.strategy} manager rounds nothing itself (the engine "
-                             "adds into the full gradients); choose a sharded strategy to pick a rounding")
+                             "adds into the full gradients); choose a strategy that rounds to pick a rounding")
         self.rounding = cls.default_rounding if rounding is None else check_rounding(rounding)
         self.layout, self.comm, self.offload = layout, comm, offload
         self.rank, self.world, self.device = comm.rank, comm.world, comm.device
@@ -110,21 +110,26 @@ class GradientManager:
         self._closed = False
         self._state = HostState(MicroStepState(layout.num_layers), step)  # shared with the capture
         self._capture = Capture(self._state, CaptureContext(
-            self._check_open, self._events, self._graph_allocations, self._stats_rows,
-            lambda: None if self._statistics is None else self._statistics.copied(), self.comm_stream,
-            self._comm_done))
+            check_open=self._check_open, events=self._events, allocations=self._graph_allocations,
+            stats=self._stats_rows, copied=lambda: None if self._statistics is None else self._statistics.copied(),
+            comm_stream=self.comm_stream, comm_done=self._comm_done))
         self._graph_hooks = self._capture.hooks  # what a graph calls (through the capture)
         self._counter = SeedCounter(self.device, seed, step, self.comm_stream, self.rounding or "sr")
         self._range_names = [f"lowgrad.exchange layer {l}" for l in range(layout.num_layers)]
         self._alloc_non_block()
-        self._ctx = StrategyContext(layout, comm, self.dtype, self.rounding, offload, self._inline, self.comm_stream,
-                                    self._comm_handle, self._counter, self._record, self._wait, self._join,
-                                    lambda: self._protocol, self._group_done, self._comm_done)
+        # lent by name; its verbs reach the capture and the protocol's state directly, not back
+        # through the manager (a layer's micro-step crosses into the strategy twice, never back)
+        self._ctx = StrategyContext(
+            layout=layout, comm=comm, dtype=self.dtype, rounding=self.rounding, offload=offload, inline=self._inline,
+            comm_stream=self.comm_stream, comm_handle=self._comm_handle, counter=self._counter,
+            events=self._capture, host=self._state, group_done=self._group_done, comm_done=self._comm_done,
+            engine_done=self._engine_done)
         self._strategy: Strategy = cls(self._ctx, **options)
         try:
             #: the statistics (``stats=True``), allocated at the first micro-step 0 for its step's count
-            self._statistics = Statistics(StatisticsContext(comm, layout, self._counter, self._strategy, self.shards,
-                                                            self._nb_list, self._wait, self._comm_done, self._state)) \
+            self._statistics = Statistics(StatisticsContext(
+                comm=comm, layout=layout, counter=self._counter, strategy=self._strategy, shards=self.shards,
+                non_block=self._nb_list, wait=self._wait, comm_done=self._comm_done, state=self._state)) \
                 if stats else None
             self._norm = self.device.alloc(1, fp32, name="grad_norm")
         except BaseException:  # a failed manager is never closed: what the strategy holds (split
@@ -173,9 +178,8 @@ class GradientManager:
             self._counter.next_micro(stream_handle(stream) if self._inline else self._comm_handle)
 
     def _join(self, stream: StreamLike) -> None:
-        """The communication stream waits for ``stream``'s work so far."""
-        self._record(self._engine_done, stream)
-        self._wait(self._engine_done, self.comm_stream)
+        """The communication stream waits for ``stream``'s work so far (the context's join: one rule)."""
+        self._ctx.join(stream)
 
     def _events(self) -> list[Any]:
         """The events later calls wait on (re-recorded after a capture and after each replay)."""

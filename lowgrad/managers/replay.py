@@ -106,7 +106,7 @@ class GraphHooks:
     capture_ended: Callable[[Any, bool], Template | None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class CaptureContext:
     """What a :class:`Capture` is lent by its manager: ``check_open(what)``; ``events()``, the
     events later calls wait on (re-recorded after a capture and after each replay);

@@ -10,12 +10,16 @@ import numpy as np
 from lowgrad import ops
 from lowgrad.base.integers import integer
 from lowgrad.managers.protocol import check_step
+from lowgrad.managers.strategies import strategy_class
 from lowgrad.sr.seedcounter import check_rounding
 
 #: the version :meth:`GradientManager.state_dict` writes (a state without one is version 1)
 STATE_VERSION = 1
 _KEYS = frozenset({"version", "strategy", "base_seed", "step", "rank", "world", "rounding"})
-_OPTIONAL = frozenset({"version", "rounding"})  # a state saved before rounding modes existed rounded with SR
+# a state saved before rounding modes existed has no "rounding": it rounded with SR if its strategy
+# rounds at all (the registry says); a strategy that rounds nothing writes none either (as_dict)
+_OPTIONAL = frozenset({"version", "rounding"})
+_LEGACY_ROUNDING = "sr"
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class ManagerState:
     def as_dict(self) -> dict[str, Any]:
         """The plain dict :meth:`GradientManager.state_dict` returns (with ``version``)."""
         d = {"version": STATE_VERSION, **asdict(self)}
-        if d["rounding"] is None:  # the unsharded manager's: nothing to restore
+        if d["rounding"] is None:  # a strategy that rounds nothing: nothing to restore
             del d["rounding"]
         return d
 
@@ -58,7 +62,7 @@ class ManagerState:
         base_seed = integer("state base_seed", state["base_seed"])
         ops.check_seed(base_seed)
         step = check_step("state step", state["step"])
-        rounding = state.get("rounding", "sr" if state["strategy"] != "unsharded" else None)
+        rounding = state["rounding"] if "rounding" in state else _rounding_of(state["strategy"])
         if rounding is not None:
             check_rounding(rounding)
         return cls(state["strategy"], base_seed, step, rank, world, rounding)
@@ -86,6 +90,13 @@ class ManagerState:
         if not isinstance(portable, Mapping):
             raise TypeError(f"state must be a mapping from state_dict(), got {type(portable).__name__}")
         return cls.parse({**portable, "rank": rank, "world": world})
+
+
+def _rounding_of(strategy: str) -> str | None:
+    """The rounding of a saved state without one: None where the strategy rounds nothing, else SR
+    (what every rounding strategy did before rounding modes); ValueError for a strategy this
+    lowgrad does not have (what it rounded is unknown)."""
+    return _LEGACY_ROUNDING if strategy_class(strategy).rounds() else None
 
 
 def resume_state(portable: Any, manager: Any) -> ManagerState:

@@ -181,7 +181,7 @@ class StatsReading:
         return host
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class StatisticsContext:
     """What a manager lends its :class:`Statistics`: the rank's communicator (and device), the
     layout, the seed counter (the sink's micro-step), the strategy (``stats_kinds`` and ``bind``),

@@ -30,8 +30,10 @@ backward hooks of every rank on the GPU's one autograd thread.
 Checkpoints: :meth:`ShardOptimizer.state_dict` is everything lowgrad holds for a rank (a
 ``torch.distributed.checkpoint`` ``Stateful`` whose sharded tensors DCP reshards at any world);
 :func:`save_checkpoint` / :func:`load_checkpoint` write and read it in lowgrad's own crash-safe
-format (:mod:`lowgrad.checkpoint`). Model weights loaded after the optimizer exists take effect
-(the master weights follow them at the next step, state_dict or save_checkpoint).
+format (:mod:`lowgrad.checkpoint`); :func:`dcp_save` / :func:`dcp_load` are DCP's with lowgrad's
+checks first and ``CheckpointError`` (an ``Exception``) for any failure. Model weights loaded
+after the optimizer exists take effect (the master weights follow them at the next step,
+state_dict or save_checkpoint).
 
 Misuse raises: a block that produced no gradient, or only part of its gradients, in a micro-step
 (at the end of the ``with``), gradients of blocks out of backward order, a parameter shared
@@ -44,6 +46,8 @@ from __future__ import annotations
 from lowgrad.torch.attached import Attached, attach
 from lowgrad.torch.checkpoints import load_checkpoint as load_checkpoint
 from lowgrad.torch.checkpoints import save_checkpoint as save_checkpoint
+from lowgrad.torch.dcp import dcp_load as dcp_load
+from lowgrad.torch.dcp import dcp_save as dcp_save
 from lowgrad.torch.layout import find_blocks, module_layout
 from lowgrad.torch.optimizer import NONFINITE_POLICIES, ShardOptimizer
 from lowgrad.torch.process_group import init_process_group

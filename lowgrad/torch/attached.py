@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lowgrad.base.errors import ProtocolError
-from lowgrad.buffers.dlpack import KDL_CPU, KDL_CUDA_HOST
+from lowgrad.buffers.dlpack import KDL_CPU, KDL_CUDA, KDL_CUDA_HOST
 from lowgrad.diagnostics.report import StepStats
 from lowgrad.managers import create_gradient_manager
 from lowgrad.managers.stats import StatsReading
@@ -325,7 +325,7 @@ class Attached:
         key = (t.ptr, t.shape, t.dtype.name)  # the shape, not the count: zero-size tensors share pointers
         v = self._views.get(key)
         if v is None:
-            v = self._views[key] = _from_lowgrad(t).reshape(t.shape)
+            v = self._views[key] = _from_lowgrad(t, self._cuda is not None).reshape(t.shape)
         return v
 
     def current_stream(self) -> Any:
@@ -355,12 +355,13 @@ def _torch_dtype(gm: Any) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[gm.dtype.name]
 
 
-def _from_lowgrad(t: Any) -> torch.Tensor:
+def _from_lowgrad(t: Any, on_gpu: bool) -> torch.Tensor:
     """``torch.from_dlpack`` of the lowgrad tensor ``t``, no copy. Memory both sides address (an
-    offloaded shard in mapped pinned memory, DLPack's ``kDLCUDAHost``) becomes the CPU tensor it
-    also is: PyTorch 2.11 refuses ``kDLCUDAHost`` ("Unsupported device_type: 3")."""
+    offloaded shard in mapped pinned memory, DLPack's ``kDLCUDAHost``, which PyTorch 2.11 refuses:
+    "Unsupported device_type: 3") becomes a CUDA tensor of its GPU for a module on the GPU (one
+    pointer on both sides, unified addressing: its kernels read the host memory), else a CPU one."""
     if t.__dlpack_device__()[0] == KDL_CUDA_HOST:
-        return torch.from_dlpack(t.__dlpack__(dl_device=(KDL_CPU, 0)))
+        return torch.from_dlpack(t.__dlpack__(dl_device=(KDL_CUDA, t.device.ordinal) if on_gpu else (KDL_CPU, 0)))
     return torch.from_dlpack(t)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from lowgrad import checkpoint
 from lowgrad.base.errors import CheckpointError
+from lowgrad.diagnostics.log import StepLog
 from lowgrad.torch.optimizer import ShardOptimizer
 from lowgrad.torch.rows import ShardRows, _local
 
@@ -42,38 +43,53 @@ def _as_rows(state: dict[str, Any], data: bool = True) -> dict[str, checkpoint.R
     return out
 
 
-def save_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> Path:
+def save_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer, log: StepLog | None = None) -> Path:
     """Save everything lowgrad holds for the run (:meth:`ShardOptimizer.state_dict` of every
     rank: master weights, optimizer state, manager state) in lowgrad's own format
     (:func:`lowgrad.checkpoint.save`): a directory that appears whole or not at all, every chunk
-    checksummed, loadable at any world by :func:`load_checkpoint`. A collective, between steps;
-    ``path`` must not exist. The model's buffers and anything else of the run are the caller's to
-    save (``torch.save(model.state_dict(), ...)`` from one rank)."""
-    optimizer._check_between_steps("save_checkpoint")
-    optimizer._follow_module()  # weights loaded into the model since the optimizer last wrote it are saved
-    state = optimizer._state(copy=False)  # _as_rows copies the live tensors to the host
-    return checkpoint.save(path, optimizer.attached.gm, _as_rows(state), {"optimizer": state["optimizer"]})
+    checksummed, loadable at any world by :func:`load_checkpoint`. ``log``: a gradient log whose
+    running state (:meth:`StepLog.state_dict`) is saved too. A collective, between steps;
+    ``path`` must not exist. CheckpointError on every rank when any rank fails (a save before
+    ``step()`` applied the last step included), and nothing is written. The model's buffers and
+    anything else of the run are the caller's to save (``torch.save(model.state_dict(), ...)``
+    from one rank)."""
+    def prepare() -> tuple[dict[str, checkpoint.Rows], dict[str, Any]]:
+        optimizer._check_between_steps("save_checkpoint")
+        optimizer._follow_module()  # weights loaded into the model since the optimizer last wrote it are saved
+        state = optimizer._state(copy=False)  # _as_rows copies the live tensors to the host
+        return _as_rows(state), {"optimizer": state["optimizer"], **({"log": log.state_dict()} if log else {})}
+    # every rank's verdict before the save's own collectives: a rank that cannot save stops all
+    rows, meta = checkpoint.agree(optimizer.attached.gm.comm, prepare, f"save {path}")
+    return checkpoint.save(path, optimizer.attached.gm, rows, meta)
 
 
-def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> None:
+def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer, log: StepLog | None = None) -> None:
     """Load a :func:`save_checkpoint` saved at any world into ``optimizer`` (and its manager, and
     the module's trainable parameters, which get the master weights): this rank's rows read from
-    whichever ranks' files hold them, every byte checked first; CheckpointError on every rank
-    (naming the rank, the file and what is wrong) for a missing, half-written, truncated,
-    corrupted or foreign checkpoint, with nothing changed. A collective, between steps."""
-    optimizer._check_between_steps("load_checkpoint")
-    live = optimizer._state(copy=False)
-
-    def saved_optimizer() -> Any:
+    whichever ranks' files hold them, every byte checked first; ``log``: a gradient log given the
+    saved running state (:meth:`StepLog.load_state_dict`; a checkpoint saved without one is
+    refused). CheckpointError on every rank (naming the rank, the file and what is wrong) for a
+    missing, half-written, truncated, corrupted or foreign checkpoint, or a load before ``step()``
+    applied the last step, with nothing changed (the log included). A collective, between steps."""
+    def saved_state() -> tuple[dict[str, Any], Any, Any]:
+        optimizer._check_between_steps("load_checkpoint")
+        live = optimizer._state(copy=False)
         # the optimizer first (its class, master_weights): a clearer refusal than the arrays' dtypes
-        saved = checkpoint.read_manifest(path)["meta"].get("optimizer")
+        meta = checkpoint.read_manifest(path)["meta"]
         try:
-            optimizer._check_optimizer(saved)
+            optimizer._check_optimizer(meta.get("optimizer"))
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
-        return saved
+        if log is not None:
+            if "log" not in meta:
+                raise CheckpointError(f"{path}: holds no gradient log state (saved without log=)")
+            try:
+                log.check_state(meta["log"])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: the gradient log's state: {e}") from None
+        return live, meta.get("optimizer"), meta.get("log")
     # every rank's verdict: a manifest one rank cannot read is refused on all (none waits in a collective)
-    saved = checkpoint.agree(optimizer.attached.gm.comm, saved_optimizer, f"load {path}")
+    live, saved, saved_log = checkpoint.agree(optimizer.attached.gm.comm, saved_state, f"load {path}")
     found = checkpoint.read(path, optimizer.attached.gm, _as_rows(live, data=False))
     state: dict[str, Any] = {}
     for key, v in live.items():
@@ -83,3 +99,5 @@ def load_checkpoint(path: str | os.PathLike[str], optimizer: ShardOptimizer) -> 
         state[key] = v
     state["manager"], state["optimizer"] = found.manager.portable(), saved
     optimizer.load_state_dict(state)
+    if log is not None:
+        log.load_state_dict(saved_log)  # checked above on every rank: cannot fail now

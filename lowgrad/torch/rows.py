@@ -47,26 +47,20 @@ class ShardRows(torch.Tensor):
         memo[id(self)] = out = self.clone()
         return out
 
-    def _check_process_group(self) -> None:
-        """DCP writes and reads each rank's rows as its own chunk only where a process group of
-        the run's ranks exists: without one every rank is "rank 0" of a world of 1 and writes the
-        same file and ``.metadata`` (the last writer wins: a checkpoint of one rank's rows, and a
-        load that fills every rank's rows from it without a word). The rows are one of ``parts``
-        equal parts of the parameter (how ShardOptimizer splits it), so the group must have that
-        world and this part's rank."""
+    def _process_group_problem(self) -> str | None:
+        """Why DCP cannot write or read these rows as their own chunk here, or None
+        (:func:`process_group_problem`). The rows are one of ``parts`` equal parts of the
+        parameter (how ShardOptimizer splits it), so the group must have that world and this
+        part's rank; the whole parameter needs none."""
         rows = self.local.shape[0] if self.local.dim() else 0
-        if not rows or rows == self.global_shape[0]:
-            return  # the whole parameter: any process (world 1) writes and reads it whole
-        parts, part = self.global_shape[0] // rows, self.start // rows
-        import torch.distributed as dist
-        found = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
-        if found != (parts, part):
-            raise RuntimeError(
-                f"lowgrad.torch.ShardRows: dcp.save / dcp.load of a rank's rows (rank {part} of {parts}) needs a "
-                f"torch.distributed process group of the run's ranks; found "
-                f"{'none' if found is None else f'rank {found[1]} of {found[0]}'}. lowgrad's launchers start "
-                "none: call torch.distributed.init_process_group('gloo', rank=comm.rank, world_size=comm.world, "
-                "...) first (docs/torch.md), or use lowgrad.torch.save_checkpoint / load_checkpoint")
+        return process_group_problem(self.global_shape[0] // rows, self.start // rows) if rows else None
+
+    def _check_process_group(self) -> None:
+        problem = self._process_group_problem()
+        if problem is not None:
+            # a RuntimeError, not CheckpointError (also a ValueError): DCP's load turns a ValueError
+            # from a chunk list into "Invalid checkpoint metadata", hiding the reason
+            raise RuntimeError(problem)
 
     def _chunk(self) -> Any:
         self._check_process_group()
@@ -99,6 +93,25 @@ ShardRows.__module__ = "lowgrad.torch"
 # torch.load's default (weights_only=True) loads a torch.save of a state dict: the class rebuilds
 # from a tensor, a tuple of ints and an int, and runs no other code
 torch.serialization.add_safe_globals([ShardRows])
+
+
+def process_group_problem(world: int, rank: int) -> str | None:
+    """Why DCP cannot save or load rank ``rank``'s rows of a run of ``world`` ranks here, or None:
+    it needs a ``torch.distributed`` process group of ``world`` ranks with this process as ``rank``
+    (none at world 1). Without one, DCP makes every rank "rank 0" of a world of 1, which writes the
+    same file and ``.metadata`` (the last writer wins: a checkpoint of one rank's rows, and a load
+    that fills every rank's rows from it without a word)."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+    found = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+    if found == (world, rank):
+        return None
+    return (f"torch.distributed.checkpoint of a rank's rows (rank {rank} of {world}) needs a torch.distributed "
+            f"process group of the run's ranks; found {'none' if found is None else f'rank {found[1]} of {found[0]}'}"
+            ". lowgrad's launchers start none: where the ranks are processes (torchrun, lowgrad.from_env), call "
+            "lowgrad.torch.init_process_group(comm) first; ranks that are threads of one process (run_threads, "
+            "the host backend) cannot have one: use lowgrad.torch.save_checkpoint / load_checkpoint (docs/torch.md)")
 
 
 def _local(t: Any) -> Any:

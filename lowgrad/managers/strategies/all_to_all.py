@@ -9,11 +9,21 @@ from collections.abc import Callable
 
 from lowgrad import ops
 from lowgrad.managers.strategies.scatter_reduce import ScatterReduce
-from lowgrad.managers.strategy import StatsTarget
+from lowgrad.managers.strategy import MicroStepBytes, StatsTarget
 
 
 class AllToAll(ScatterReduce):
     name = "all_to_all"
+
+    @classmethod
+    def micro_step_bytes(cls, block_bytes: int, world: int, first: bool, offload: bool = False) -> MicroStepBytes:
+        # beside scatter_reduce's add of the own slice: reduce_sr reads the W slots and the shard
+        # and writes the shard (the shard twice over PCIe), and the exchange moves (W-1)/W both ways
+        base = super().micro_step_bytes(block_bytes, world, first, offload)
+        if world == 1:
+            return base
+        return MicroStepBytes(base.device + (world + 1) * block_bytes // world,
+                              2 * (world - 1) * block_bytes // world, 2 * base.pcie)
 
     def stats_kinds(self) -> tuple[bool, str | None]:
         # at world > 1 no kernel holds the reduced gradient of a micro-step

@@ -4,7 +4,6 @@ and the shards are views of the full buffers."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from lowgrad import ops
 from lowgrad.buffers.streams import StreamLike
@@ -15,13 +14,8 @@ from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
 class Unsharded(Strategy):
     name = "unsharded"
     default_rounding = None
-
-    @classmethod
-    def check(cls, comm: Any, offload: bool, **options: Any) -> dict[str, Any]:
-        if offload:
-            raise ValueError("offload applies to the sharded strategies; the unsharded manager keeps full "
-                             "gradients on the device")
-        return super().check(comm, offload, **options)
+    sharded = False
+    offloads = False
 
     def stats_kinds(self) -> tuple[bool, str | None]:
         return False, "step"
