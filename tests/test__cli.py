@@ -159,7 +159,7 @@ def test_help(script: str, tmp_path: Path) -> None:
 
 
 # what each script runs with its stdout a closed pipe (``script | head -1``): a quick run that
-# prints, or for world2_report (its input is a GPU session's folder) the help
+# prints, or the help where no run fits (world2_report's input is a GPU session's folder)
 PIPED: dict[str, list[str]] = {
     "tools/accuracy.py": ["--micro", "16,64", "--n", "1024"],
     "tools/accuracy_bias.py": ["--inputs", "const0.3", "--micro", "4", "--max-n", "4096", "--min-n", "1024",
@@ -172,6 +172,7 @@ PIPED: dict[str, list[str]] = {
     "tools/grad_report.py": ["--log", "grad.jsonl"],
     "tools/predict_scaling.py": [],
     "tools/world2_report.py": ["--help"],
+    "tools/summarize_benchmarks.py": ["--help"],  # it prints nothing with --check, and rewrites BENCHMARKS.md without
     "examples/plot_losses.py": ["run.json"],
     "examples/train_lm.py": ["--world", "2", "--steps", "3"],
     "examples/train_transformer.py": ["--steps", "3"],
