@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from _cli import CannotRun, Parser, int_at_least, output_path, run
-
-NEEDS_MATPLOTLIB = 'needs matplotlib: pip install ".[plot]" (or pip install matplotlib)'
+from _cli import CannotRun, Parser, int_at_least, output_path, require_matplotlib, run
 
 
 def plot_curves(runs: list[dict[str, Any]], out: str) -> None:
@@ -42,10 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                    "never the repository's root)")
     p.add_argument("--smooth", type=int_at_least(1), default=1, help="plot the moving mean over this many steps")
     a = p.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CannotRun(NEEDS_MATPLOTLIB) from None
+    require_matplotlib()
     out = output_path("losses.png", a.out)
     runs = []
     for f in a.runs:

@@ -11,8 +11,8 @@
 set -u -o pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
 PY=${PYTHON:-python3}
-OUTDIR=$("$PY" "$(dirname "$0")/../tools/_cli.py" output-path run_gpu.sh lm_runs "${1:-}") || exit 2
-OUTDIR=$(realpath -m "$OUTDIR")  # relative to the folder it was called from
+OUTDIR=$("$PY" "$(dirname "$0")/../tools/_cli.py" output-path run_gpu.sh lm_runs "$@") || exit 2
+OUTDIR=$(realpath -m -- "$OUTDIR")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 "$PY" tools/_cli.py needs-gpu run_gpu.sh \

@@ -14,8 +14,8 @@
 # no profiled run: --profile measures GPU streams).
 set -u -o pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
-OUTDIR=$(python3 "$(dirname "$0")/../tools/_cli.py" output-path run_transformer_gpu.sh transformer_runs "${1:-}") || exit 2
-OUTDIR=$(realpath -m "$OUTDIR")  # relative to the folder it was called from
+OUTDIR=$(python3 "$(dirname "$0")/../tools/_cli.py" output-path run_transformer_gpu.sh transformer_runs "$@") || exit 2
+OUTDIR=$(realpath -m -- "$OUTDIR")  # relative to the folder it was called from
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SIZE=${SIZE:-0.5b}

@@ -333,7 +333,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--accum", choices=ACCUM, default=d.accum)
     p.add_argument("--strategy", choices=tuple(STRATEGIES), default=None,
                    help="default: scatter_reduce (unsharded for --accum rn_bf16)")
-    p.add_argument("--offload", action="store_true", help="shards in pinned host memory")
+    p.add_argument("--offload", nargs="?", const="on", choices=("off", "on"), default="off",
+                   help="shards in pinned host memory (--offload alone is on, as in lowgrad demo)")
     for name in ("world", "steps", "micro_steps", "batch", "context", "embed", "hidden", "layers", "warmup",
                  "seed", "log_every"):
         low = 0 if name in ("warmup", "seed", "log_every") else 1
@@ -344,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", help="write the loss curve (and config) here")
     a = p.parse_args(argv)
+    a.offload = a.offload == "on"
     try:
         cfg = Config(**{k: v for k, v in vars(a).items() if k in Config.__dataclass_fields__ and v is not None})
         return cfg.resolved(), a

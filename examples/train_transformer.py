@@ -235,8 +235,10 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             prof.stop()
             profiled, prof = gpu_overlap(prof, PROFILE_STEPS), None
             print(json.dumps(profiled, indent=1), flush=True)
-        if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
+        if args.log_every and comm.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            # once, by rank 0 (whose --json and verdict these are); its loss is its own micro-batches'
+            ranks = f"  (rank 0 of {comm.world})" if comm.world > 1 else ""
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:.1f} ms{ranks}", flush=True)
     how = f"/{args.strategy}" + (f"/{attached.gm.rounding}" if attached.gm.rounding else "") if attached else ""
     label = f"{args.mode}{how}{' no-overlap' if attached and args.no_overlap else ''} seed {args.seed}"
     if comm.world > 1:

@@ -14,6 +14,7 @@ the CUDA one, and one that never makes a manager never loads the managers.
 from importlib import import_module
 from typing import Any
 
+from lowgrad.base import trace as _trace  # noqa: F401 - applies LOWGRAD_TRACE at import (docs/cli.md)
 from lowgrad.base.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.base.errors import (
     CaptureError,

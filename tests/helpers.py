@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lowgrad.base.errors import NvrtcError
 from lowgrad.cuda import cache as kcache
 from lowgrad.cuda import compiler, nccl
 
@@ -23,6 +24,21 @@ def nccl_loadable() -> bool:
 
 
 needs_nccl = pytest.mark.skipif(not nccl_loadable(), reason="no NCCL library installed")
+
+
+def nvrtc_unavailable() -> str | None:
+    """Why NVRTC (the cu12 or cu13 extra's compiler wheel) does not load here, or None where it
+    does (compiling needs no GPU)."""
+    try:
+        compiler.nvrtc_version()
+    except NvrtcError as exc:
+        return str(exc)
+    return None
+
+
+_NO_NVRTC = nvrtc_unavailable()
+needs_nvrtc = pytest.mark.skipif(_NO_NVRTC is not None, reason=f"compiles kernels: no NVRTC library installed "
+                                 f"(pip install '.[cu13]' or '.[cu12]'): {_NO_NVRTC}")
 
 
 class Records(logging.Handler):

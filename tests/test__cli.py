@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,79 @@ def test_help(script: str, tmp_path: Path) -> None:
     assert "usage:" in proc.stdout or script.endswith(".sh") and "bash examples/" in proc.stdout, proc.stdout
 
 
+# what each script runs with its stdout a closed pipe (``script | head -1``): a quick run that
+# prints, or the help where no run fits (world2_report's input is a GPU session's folder)
+PIPED: dict[str, list[str]] = {
+    "tools/accuracy.py": ["--micro", "16,64", "--n", "1024"],
+    "tools/accuracy_bias.py": ["--inputs", "const0.3", "--micro", "4", "--max-n", "4096", "--min-n", "1024",
+                               "--worlds", "2", "--world-micro", "2", "--modes", "ldsr,sr"],
+    "tools/accuracy_world.py": ["--worlds", "1,2", "--micro-steps", "4"],
+    "tools/bench_graph.py": [], "tools/bench_kernels.py": [], "tools/bench_layer.py": [], "tools/nccl_bench.py": [],
+    "tools/race_hunt.py": [],
+    "tools/bench_manager.py": ["--backend", "host"],
+    "tools/fault_soak.py": ["--steps", "3"],
+    "tools/grad_report.py": ["--log", "grad.jsonl"],
+    "tools/predict_scaling.py": [],
+    "tools/world2_report.py": ["--help"],
+    "tools/summarize_benchmarks.py": ["--help"],  # it prints nothing with --check, and rewrites BENCHMARKS.md without
+    "examples/plot_losses.py": ["run.json"],
+    "examples/train_lm.py": ["--world", "2", "--steps", "3"],
+    "examples/train_transformer.py": ["--steps", "3"],
+    "examples/run_gpu.sh": [], "examples/run_transformer_gpu.sh": [],
+    "tools/gpu_session.sh": ["--help"], "tools/gpu_session_world2.sh": ["--help"],  # the whole GPU session
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_closed_pipe_ends_quietly(script: str, tmp_path: Path) -> None:
+    """``script | head -1`` where the reader is gone before the first line (so that the outcome
+    does not depend on timing): no traceback, and the status a shell gives a command that SIGPIPE
+    ended (141), as ``lowgrad doctor`` does (docs/cli.md); a script that cannot run here says
+    why in one line instead (status 2). Every script has a case."""
+    assert script in PIPED, f"add {script} to PIPED"
+    if GPU and any(c[0] == script and c[3] for c in CASES):
+        pytest.skip("runs for minutes on a GPU: tools/gpu_session.sh and the GPU scripts run it")
+    if script == "tools/grad_report.py":
+        from test_grad_report import write_log
+        write_log(tmp_path / "grad.jsonl")
+    if script == "examples/plot_losses.py":
+        made = _run("examples/train_lm.py", ["--steps", "3", "--quiet", "--json", "run.json"], tmp_path)
+        assert made.returncode == 0, made.stderr
+    read, write = os.pipe()
+    os.close(read)
+    cmd = ["bash"] if script.endswith(".sh") else [sys.executable]
+    try:
+        proc = subprocess.run([*cmd, str(REPO / script), *PIPED[script]], cwd=tmp_path, env=_env(), stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=240, check=False)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr[-3000:]
+    if proc.returncode == 2:  # cannot run here (no GPU, no torch, no matplotlib): one line that says so
+        line = proc.stderr.splitlines()
+        assert len(line) == 1 and line[0].startswith(Path(script).stem), proc.stderr
+        return
+    # 141 from Python, or killed by SIGPIPE (a shell script's echo): the same status in a shell;
+    # argparse's help ignores a closed pipe itself (0)
+    quiet = (141, -signal.SIGPIPE, *((0,) if PIPED[script] == ["--help"] else ()))
+    assert proc.returncode in quiet, (proc.returncode, proc.stderr[-3000:])
+
+
+SHELL = [s for s in SCRIPTS if s.endswith(".sh")]
+BAD = [(s, ["--bogus"]) for s in SCRIPTS] + [(s, a) for s in SHELL for a in (["-x"], ["a-folder", "another"])]
+
+
+@pytest.mark.parametrize("script,args", BAD, ids=[f"{s} {' '.join(a)}" for s, a in BAD])
+def test_a_bad_argument_is_one_line_naming_it(script: str, args: list[str], tmp_path: Path) -> None:
+    """Every script answers an argument it does not know with one line on stderr that names it
+    (not a required one that is missing: grad_report's ``--log``, plot_losses' files), status 2,
+    nothing on stdout, nothing written; a shell script takes one folder and no option but
+    ``--help``."""
+    proc = _run(script, args, tmp_path, timeout=120)
+    line = _says_why(proc)
+    assert line.startswith(Path(script).stem) and "unrecognized arguments: " in line and args[-1] in line, line
+    assert proc.stdout == "" and os.listdir(tmp_path) == [], (proc.stdout, os.listdir(tmp_path))
+
+
 def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     """A stand-in matplotlib that fails to import, as on an install without the plot extra (the
     README's test command installs none, so the plot itself is not run here)."""
@@ -170,6 +244,30 @@ def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib (stand-in)')\n")
     proc = _run("examples/plot_losses.py", ["run.json"], tmp_path, PYTHONPATH=str(fake.parent))
     assert ".[plot]" in _says_why(proc) and not (tmp_path / "losses.png").exists()
+
+
+def test_accuracy_bias_plot_without_matplotlib_fails_before_the_run(tmp_path: Path) -> None:
+    """``--plot`` without matplotlib: the one line naming the extra at once (it ran every row for
+    minutes, then failed with a traceback), nothing written."""
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib (stand-in)')\n")
+    proc = _run("tools/accuracy_bias.py", ["--plot", "bias.png"], tmp_path, timeout=60, PYTHONPATH=str(fake.parent))
+    line = _says_why(proc)
+    assert "--plot needs matplotlib" in line and ".[plot]" in line and proc.stdout == "", line
+    assert sorted(os.listdir(tmp_path)) == ["fake"]
+
+
+def test_bench_manager_prints_a_readable_parameter_count() -> None:
+    """Three significant figures in the unit that fits (the tiny layout printed ``0.00B``)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        bench_manager = importlib.import_module("bench_manager")
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    got = {n: bench_manager.count(n) for n in (7, 999, 181_248, 999_999, 494_032_768, 7_615_616_512)}
+    assert got == {7: "7", 999: "999", 181_248: "181k", 999_999: "1M", 494_032_768: "494M",
+                   7_615_616_512: "7.62B"}
 
 
 def test_outputs_go_to_out_or_the_current_folder_never_the_repository_root(tmp_path: Path) -> None:

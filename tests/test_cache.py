@@ -14,13 +14,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import assert_rewritten, counting_compile
+from helpers import assert_rewritten, counting_compile, needs_nvrtc
 
 import lowgrad
 from lowgrad.cuda import cache as kcache
 from lowgrad.cuda import compiler
 
 SRC = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] = %s; }'
+pytestmark = needs_nvrtc  # every test compiles
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 FOREIGN_UID = 65534  # nobody
 

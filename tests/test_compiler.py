@@ -9,18 +9,20 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import counting_compile
+from helpers import counting_compile, needs_nvrtc
 
 import lowgrad
 from lowgrad.base.errors import NvrtcError
 from lowgrad.cuda import compiler
 
 
+@needs_nvrtc
 def test_nvrtc_version() -> None:
     major, minor = compiler.nvrtc_version()
     assert isinstance(major, int) and isinstance(minor, int) and major >= 12
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])  # Turing (no bf16 units: the kernels need none) onward
 def test_every_module_compiles_and_holds_its_symbols(cache: Path, arch: str) -> None:
     cubins = lowgrad.compile_kernels(arch)
@@ -32,6 +34,7 @@ def test_every_module_compiles_and_holds_its_symbols(cache: Path, arch: str) -> 
     assert len(list(cache.glob("*.cubin"))) == len(compiler.modules())
 
 
+@needs_nvrtc
 def test_second_call_hits_the_disk_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = compiler.compile_kernels("sm_90")
     compiler.clear_memory_cache()
@@ -43,6 +46,7 @@ def test_second_call_hits_the_disk_cache(cache: Path, monkeypatch: pytest.Monkey
     assert compiler.compile_kernels("sm_90") == first and calls == []  # and the in-process cache
 
 
+@needs_nvrtc
 def test_cache_key_covers_source_options_and_arch(cache: Path) -> None:
     src = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] = 1.0f; }'
     compiler.compile_cuda(src, "k.cu", "sm_90")
@@ -53,6 +57,7 @@ def test_cache_key_covers_source_options_and_arch(cache: Path) -> None:
     assert len(list(cache.glob("k-*.cubin"))) == 4
 
 
+@needs_nvrtc
 def test_header_changes_the_key(cache: Path) -> None:
     src = '#include "h.cuh"\nextern "C" __global__ void k(float* p) { p[0] = V; }'
     a = compiler.compile_cuda(src, "h.cu", "sm_90", headers={"h.cuh": "#define V 1.0f\n"})
@@ -60,6 +65,7 @@ def test_header_changes_the_key(cache: Path) -> None:
     assert a != b and len(list(cache.glob("h-*.cubin"))) == 2
 
 
+@needs_nvrtc
 def test_compile_error_raises_with_the_log(cache: Path) -> None:
     src = 'extern "C" __global__ void broken(float* p) { p[0] = ; }'
     with pytest.raises(NvrtcError) as info:
@@ -111,6 +117,7 @@ def struct_size(fields: tuple) -> int:
     return off + (-off) % align
 
 
+@needs_nvrtc
 def test_kernels_table_matches_the_entry_points() -> None:
     d = compiler.kernel_dir()
     opts = ["--gpu-architecture=compute_90", *(o for o in compiler.BASE_OPTIONS if not o.startswith("--ptxas"))]

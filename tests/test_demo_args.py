@@ -46,3 +46,11 @@ def test_bad_config_file_names_it(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert main(["demo", "--backend", "host", "--config", str(path), "--layers", "2"]) == 2
     err = capsys.readouterr().err
     assert str(path) in err and "hidden_size" in err
+
+
+@pytest.mark.parametrize("args, offload", [([], "both"), (["--offload"], "on"), (["--offload", "off"], "off"),
+                                           (["--offload", "--steps", "1"], "on")])
+def test_offload_alone_is_on_as_in_train_lm(args: list[str], offload: str) -> None:
+    from lowgrad.cli.main import parser
+
+    assert parser("lowgrad").parse_args(["demo", *args]).offload == offload

@@ -30,6 +30,7 @@ highlights by the info string's first word and shows none of the rest.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -220,6 +221,8 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
 RUNNERS = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 NOT_CODE = {"text"}
 MARKS = {"fragment", "gpu", "output"}
+# the optional parts a block may import (an install without them skips the block, naming them)
+OPTIONAL = {"torch": "the torch extra", "transformers": "pip install transformers", "matplotlib": "the plot extra"}
 INSTALLS = re.compile(r"\b(pip3?|python3? -m pip|uv pip|apt(-get)?|conda|brew)\b[^\n]*\binstall\b")
 HINT = ("Mark a block that is not meant to run: ```python fragment (or bash fragment, ...); ```text for "
         "output, diagrams and pseudo-code; ```python gpu for a block that needs a GPU "
@@ -377,7 +380,26 @@ def test_doc_code_block(block: Block, tmp_path: Path) -> None:
     if kind == "gpu" and RUNNERS[block.lang] == "python":
         compile(block.code, block.where, "exec")
     if kind == "run":
+        missing = [m for m in optional_imports(block) if importlib.util.find_spec(m) is None]
+        if missing:
+            pytest.skip(f"{block.where} imports {', '.join(missing)}, not installed here "
+                        f"({'; '.join(OPTIONAL[m] for m in missing)})")
         run_block(block, tmp_path, timeout=120)
+
+
+def optional_imports(block: Block) -> list[str]:
+    """The :data:`OPTIONAL` packages a python block imports (none for a bash block)."""
+    if RUNNERS[block.lang] != "python":
+        return []
+    modules = set()
+    for node in ast.walk(ast.parse(block.code)):
+        if isinstance(node, ast.Import):
+            modules |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules.add(node.module)
+    # lowgrad.torch is the adapter: it needs torch
+    names = {"torch" if m.startswith("lowgrad.torch") else m.split(".")[0] for m in modules}
+    return sorted(names & set(OPTIONAL))
 
 
 def test_block_parser_finds_fences_and_marks(tmp_path: Path) -> None:

@@ -126,6 +126,17 @@ def test_bad_combinations_are_rejected() -> None:
     assert tl.Config(accum="rn_bf16").resolved().strategy == "unsharded"
 
 
+def test_offload_is_a_flag_that_also_takes_on_or_off() -> None:
+    """``--offload`` alone is on (as before), ``--offload on|off`` as in ``lowgrad demo``."""
+    base = ["--strategy", "all_to_all"]
+    assert tl.parse_args(base)[0].offload is False
+    assert tl.parse_args([*base, "--offload"])[0].offload is True
+    assert tl.parse_args([*base, "--offload", "on"])[0].offload is True
+    assert tl.parse_args([*base, "--offload", "off"])[0].offload is False
+    with pytest.raises(SystemExit):
+        tl.parse_args([*base, "--offload", "both"])  # demo's default: both kinds of run; one run here
+
+
 def test_cli_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     proc = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), "--steps", "3", "--world", "2",

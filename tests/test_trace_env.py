@@ -56,6 +56,16 @@ def test_an_unopenable_path_warns_and_import_succeeds(tmp_path: Path, where: str
     assert not (tmp_path / "missing").exists()
 
 
+def test_import_lowgrad_alone_applies_the_variable(tmp_path: Path) -> None:
+    """docs/cli.md: an unopenable ``LOWGRAD_TRACE`` warns at ``import lowgrad`` (it warned at the
+    first device or manager only, the module that reads it being loaded then)."""
+    target = str(tmp_path / "missing" / "trace.log")
+    env = {"LOWGRAD_TRACE": target, "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import lowgrad"], capture_output=True, text=True, check=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert "RuntimeWarning" in out.stderr and target in out.stderr, out.stderr
+
+
 def test_enable_takes_the_same_words() -> None:
     try:
         for word in ("1", "Yes", "on"):

@@ -55,3 +55,14 @@ def test_stats_log_names_an_injected_nan_and_the_step_is_skipped(tmp_path: Path)
         tt.parse_args(["--mode", "torch_bf16", "--stats", str(log)])
     with pytest.raises(SystemExit):
         tt.parse_args(["--inject-nan", "2:x"])
+
+
+@pytest.mark.timeout(300)
+def test_world_2_prints_each_step_once_labelled(capsys: pytest.CaptureFixture[str]) -> None:
+    """Ranks as threads: rank 0 prints the step lines, once each, saying whose loss it is (every
+    rank printed its own, unlabelled)."""
+    assert tt.main(["--size", "tiny", "--steps", "3", "--micro-steps", "1", "--batch", "2", "--seq", "32",
+                    "--world", "2", "--strategy", "all_to_all", "--log-every", "1"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["0", "1", "2"], steps
+    assert all(line.endswith("(rank 0 of 2)") for line in steps), steps

@@ -10,7 +10,8 @@ and exits with status 2 (no traceback), on a machine with a GPU and on one witho
 - :func:`run`: calls a tool's ``main`` and turns :class:`CannotRun`, a
   ``CudaUnavailableError`` raised where no check came first (a rank's thread, say) and a missing
   NCCL library into that one line and status 2. Every other exception is a bug and keeps its
-  traceback.
+  traceback, except stdout's reader going away (``tool | head -1``): the tool ends quietly with
+  status 141, as the ``lowgrad`` command does (``lowgrad.cli.pipe``, the one rule for both).
 - :func:`output_path`: the one rule for where a tool or example writes when the user names no
   path: ``$OUT/NAME`` when ``OUT`` is set, else ``./NAME`` in the current directory, but never the
   repository's own root (a run from there writes to ``<tmp>/lowgrad-tools/NAME``); each one
@@ -20,7 +21,9 @@ A tool imports it as ``from _cli import ...`` once tools/ is on ``sys.path`` (as
 imports bench_manager). Two commands give the shell scripts the same rules:
 ``python3 tools/_cli.py needs-gpu NAME [HINT]`` is the GPU check (silent with status 0 where there
 is a GPU, else the one line and status 2), and ``python3 tools/_cli.py output-path TOOL NAME
-[GIVEN]`` prints :func:`output_path` of ``NAME`` (``GIVEN``: the user's path, when not empty).
+[GIVEN...]`` prints :func:`output_path` of ``NAME`` (``GIVEN``: the script's own arguments, at most
+one folder, used when not empty; an option or a second argument is the one line ``TOOL: error:
+unrecognized arguments: ... (see --help)`` and status 2, as :class:`Parser` says it).
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # a checkout that is not installed: the lowgrad next to tools/
@@ -74,6 +77,25 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(CANNOT_RUN, f"{self.tool}: error: {one_line(message)} (see --help)\n")
 
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        """argparse's, but an argument the tool does not know is named before a required one that
+        is missing (argparse checks the required ones first: ``grad_report.py --bogus`` would say
+        that ``--log`` is missing, not that ``--bogus`` is unknown). A first pass with nothing
+        required finds the unknown ones."""
+        args = None if args is None else list(args)  # read twice
+        required = [action for action in self._actions if action.required]
+        if required:
+            for action in required:
+                action.required = False
+            try:
+                extra = super().parse_known_args(args, argparse.Namespace())[1]
+            finally:
+                for action in required:
+                    action.required = True
+            if extra:
+                self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return super().parse_known_args(args, namespace)
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: one integer of at least ``low``."""
@@ -110,6 +132,25 @@ def float_list(text: str) -> list[float]:
     if not values or not all(math.isfinite(v) for v in values):
         raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
     return values
+
+
+PLOT_EXTRA = 'pip install ".[plot]" (or pip install matplotlib)'
+
+
+def has_matplotlib() -> bool:
+    """Whether matplotlib (the plot extra) imports here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_matplotlib(what: str = "needs matplotlib") -> None:
+    """:class:`CannotRun` (``what`` and how to install it) unless matplotlib imports: a tool that
+    was asked for a plot checks before it runs, not after."""
+    if not has_matplotlib():
+        raise CannotRun(f"{what}: {PLOT_EXTRA}")
 
 
 def needs_gpu(reason: str, host_hint: str | None = None) -> str:
@@ -185,24 +226,29 @@ def check_world(layout: object, world: int, what: str = "--world") -> None:
 
 def run(tool: str, main: Callable[[], int]) -> int:
     """``main()``'s exit status, or :data:`CANNOT_RUN` after one line on stderr when it cannot
-    run here (see the module's docstring)."""
+    run here, or 141 without a word when stdout's reader went away (see the module's
+    docstring)."""
     from lowgrad.base.errors import CudaUnavailableError, NcclLibraryError
+    from lowgrad.cli.pipe import quiet_on_closed_pipe
 
-    try:
-        return main()
-    except CannotRun as exc:
-        return say(tool, str(exc))
-    except CudaUnavailableError as exc:
-        return say(tool, needs_gpu(str(exc)))
-    except NcclLibraryError as exc:
-        return say(tool, f"needs the NCCL library: {exc}")
+    def body() -> int:
+        try:
+            return main()
+        except CannotRun as exc:
+            return say(tool, str(exc))
+        except CudaUnavailableError as exc:
+            return say(tool, needs_gpu(str(exc)))
+        except NcclLibraryError as exc:
+            return say(tool, f"needs the NCCL library: {exc}")
+
+    return quiet_on_closed_pipe(body)
 
 
 def _main(argv: list[str]) -> int:
     command, args = (argv[0], argv[1:]) if argv else ("", [])
     required = {"needs-gpu": 1, "output-path": 2}.get(command)
-    if required is None or len(args) not in (required, required + 1):
-        print("usage: python3 tools/_cli.py needs-gpu NAME [HINT] | output-path TOOL NAME [GIVEN]", file=sys.stderr)
+    if required is None or len(args) < required or command == "needs-gpu" and len(args) > required + 1:
+        print("usage: python3 tools/_cli.py needs-gpu NAME [HINT] | output-path TOOL NAME [GIVEN...]", file=sys.stderr)
         return CANNOT_RUN
     extra = args[required] if len(args) > required else None  # HINT or GIVEN
 
@@ -211,6 +257,10 @@ def _main(argv: list[str]) -> int:
         return 0
 
     def path() -> int:
+        given = args[2:]  # the script's own arguments: at most one, a folder
+        unknown = given[1:] if given[:1] and not given[0].startswith("-") else given
+        if unknown:
+            raise CannotRun(f"error: unrecognized arguments: {' '.join(unknown)} (see --help)")
         print(output_path(args[1], extra))
         return 0
 

@@ -19,12 +19,16 @@ Inputs (every micro-step's increment is the gradient over M, as a manager scales
   ``examples/train_transformer.py --save-grads``): disjoint runs of M micro-steps side by side.
 
 Element counts: ``--budget`` element-micro-steps per (input, M), at most ``--max-n`` elements and at
-least ``--min-n`` (defaults 2**25, 2**20, 2**14: 2**20 elements up to M = 32, 2**15 at 1024). The
-issue's table at 2**20 elements: ``--issue-table``; 2**20 at every M: ``--full`` (hours). Candidate
-roundings (``--candidates``) are schemes measured in search of LD-SR's error without its bias, in
-numpy here only (docs/accuracy.md).
+least ``--min-n``. Without arguments a quick run (:data:`QUICK`, about 20 s on 2 cores: M 4, 64,
+1024, at most 2**16 elements, world 2) that already shows LD-SR's bias on constants; ``--sweep``
+is the measured sweep of docs/accuracy.md (:data:`SWEEP`: budget 2**25, 2**20 elements up to
+M = 32, 2**15 at 1024, M 2 to 4096, world 2 and 4; minutes). The issue's table at 2**20 elements:
+``--issue-table``; 2**20 at every M: ``--full`` (hours); both take the sweep's sizes. An option
+given explicitly overrides either. Candidate roundings (``--candidates``) are schemes measured in
+search of LD-SR's error without its bias, in numpy here only (docs/accuracy.md).
 
-    python3 tools/accuracy_bias.py --grads g.npy --json $OUT/bias.json --plot $OUT/bias.png
+    python3 tools/accuracy_bias.py
+    python3 tools/accuracy_bias.py --sweep --grads g.npy --json $OUT/bias.json --plot $OUT/bias.png
     python3 tools/accuracy_bias.py --issue-table --candidates
 """
 from __future__ import annotations
@@ -37,7 +41,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import CannotRun, Parser, check_world, int_at_least, int_list, output_help, output_path, run
+from _cli import (
+    CannotRun,
+    Parser,
+    check_world,
+    int_at_least,
+    int_list,
+    output_help,
+    output_path,
+    require_matplotlib,
+    run,
+)
 
 import accuracy_world as aw
 import numpy as np
@@ -53,6 +67,12 @@ INPUTS = ("const0.3", "const0.1234", "drift", "base+noise", "iid")
 ISSUE_TABLE = (("const0.3", 4), ("const0.3", 64), ("const0.3", 1024), ("const0.1234", 16), ("base+noise", 1024))
 BF16_MODES = tuple(m for m in MODES if m not in ("fp32", "kahan"))
 SE_LIMIT = 3.0
+#: the sizes of a run without arguments (seconds) and of ``--sweep`` (docs/accuracy.md's tables);
+#: an option given on the command line overrides them
+QUICK = {"micro": [4, 64, 1024], "budget": 1 << 22, "min_n": 1 << 12, "max_n": 1 << 16, "worlds": [2],
+         "world_micro": [4], "world_layers": 2}
+SWEEP = {"micro": [2, 4, 16, 64, 256, 1024, 4096], "budget": 1 << 25, "min_n": 1 << 14, "max_n": 1 << 20,
+         "worlds": [2, 4], "world_micro": [4, 64], "world_layers": 8}
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -256,25 +276,33 @@ def cases(args: Any, grads: np.ndarray | None) -> Iterator[tuple[str, int, int, 
 def main(argv: Sequence[str] | None = None) -> int:
     p = Parser("accuracy_bias", description=__doc__.split("\n\n")[0] + " Runs on the CPU.")
     p.add_argument("--inputs", default=",".join(INPUTS), help=f"synthetic inputs (comma list of {', '.join(INPUTS)})")
-    p.add_argument("--micro", type=int_list(2), default=[2, 4, 16, 64, 256, 1024, 4096], help="micro-step counts")
+    p.add_argument("--sweep", action="store_true", help="the measured sweep's sizes (docs/accuracy.md; minutes) "
+                   "instead of the quick run's; the defaults below are quick / sweep")
+    p.add_argument("--micro", type=int_list(2), help="micro-step counts (4,64,1024 / 2,4,16,64,256,1024,4096)")
     p.add_argument("--grads", help="real gradients: .npy (M_total, n) or .npz, as tools/accuracy.py reads them")
-    p.add_argument("--budget", type=int_at_least(1), default=1 << 25, help="element-micro-steps per row")
-    p.add_argument("--min-n", type=int_at_least(2), default=1 << 14)
-    p.add_argument("--max-n", type=int_at_least(2), default=1 << 20)
+    p.add_argument("--budget", type=int_at_least(1), help="element-micro-steps per row (2**22 / 2**25)")
+    p.add_argument("--min-n", type=int_at_least(2), help="at least this many elements per row (2**12 / 2**14)")
+    p.add_argument("--max-n", type=int_at_least(2), help="at most this many elements per row (2**16 / 2**20)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--candidates", action="store_true", help=f"also the candidate schemes {', '.join(CANDIDATES)}")
-    p.add_argument("--issue-table", action="store_true", help="only issue 36's rows, at --max-n elements")
-    p.add_argument("--full", action="store_true", help="the heavy sweep: --max-n elements at every M (hours on a CPU)")
-    p.add_argument("--worlds", type=int_list(2), default=[2, 4], help="world sizes of the host-backend rows")
-    p.add_argument("--world-micro", type=int_list(2), default=[4, 64], help="micro-step counts of those rows")
-    p.add_argument("--world-layers", type=int_at_least(1), default=8, help="layers of the small Qwen2 layout there")
+    p.add_argument("--issue-table", action="store_true",
+                   help="only issue 36's rows, at --max-n elements (the sweep's sizes)")
+    p.add_argument("--full", action="store_true",
+                   help="the heavy sweep: --max-n elements at every M (the sweep's sizes; hours on a CPU)")
+    p.add_argument("--worlds", type=int_list(2), help="world sizes of the host-backend rows (2 / 2,4)")
+    p.add_argument("--world-micro", type=int_list(2), help="micro-step counts of those rows (4 / 4,64)")
+    p.add_argument("--world-layers", type=int_at_least(1), help="layers of the small Qwen2 layout there (2 / 8)")
     p.add_argument("--world-inputs", default="const0.3,base+noise")
     p.add_argument("--strategy", default="all_to_all", choices=[n for n, c in STRATEGIES.items() if c.rounds()],
                    help="a strategy that rounds (the rows compare its roundings)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help=output_help("accuracy_bias.json"))
-    p.add_argument("--plot", help="write the figure here (PNG)")
+    p.add_argument("--plot", help="write the figure here (PNG; needs matplotlib)")
     args = p.parse_args(argv)
+    sizes = SWEEP if args.sweep or args.full or args.issue_table else QUICK
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.inputs = [s for s in args.inputs.split(",") if s]
     args.world_inputs = [s for s in args.world_inputs.split(",") if s]
     for s in args.inputs + args.world_inputs:
@@ -291,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for world in [] if args.issue_table else args.worlds:
         check_world(layout, world, "--worlds: world")
     modes += list(CANDIDATES) if args.candidates else []
+    if args.plot:
+        require_matplotlib("--plot needs matplotlib")
+        args.plot = output_path("accuracy_bias.png", args.plot)  # its folder exists, before the run
     grads = None
     if args.grads:
         try:

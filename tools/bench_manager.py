@@ -127,6 +127,16 @@ def bench(comm: Any, layout: lg.Layout, strategy: str, offload: bool, micro: int
             "memory": rep}
 
 
+def count(n: int) -> str:
+    """``n`` to three significant figures in the unit that fits: 2.65M, 494M, 7.62B (the tiny
+    layout's count is not 0.00B)."""
+    for exponent, unit in ((9, "B"), (6, "M"), (3, "k")):
+        text = f"{n / 10**exponent:.3g}"
+        if float(text) >= 1:  # after rounding: 999 999 is 1M, not 1e+03k
+            return text + unit
+    return str(n)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser("bench_manager", description=__doc__.split("\n\n")[0] + " The CUDA backend needs an NVIDIA GPU; "
                "--backend host runs on the CPU.")
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                      host_hint="--backend host runs it on the CPU (the tiny layout by default)")
     dev = lg.Device(0) if args.backend == "cuda" else lg.HostDevice()
     bw = copy_bandwidths(dev, 1 << 31 if args.backend == "cuda" else 1 << 26)
-    print(f"bench_manager: {args.config} ({layout.total_numel / 1e9:.2f}B params, {layout.num_layers} layers), "
+    print(f"bench_manager: {args.config} ({count(layout.total_numel)} params, {layout.num_layers} layers), "
           f"world {args.world}{' on one GPU (loopback)' if args.share_gpu else ''}, {args.backend}; "
           f"copy {bw['d2d'] / 1e9:.0f} GB/s, pinned H2D {bw['h2d'] / 1e9:.1f} "
           f"+ D2H {bw['d2h'] / 1e9:.1f} GB/s")

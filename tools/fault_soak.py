@@ -631,4 +631,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _cli import run  # tools/, this script's folder, is on sys.path: ends quietly on a closed pipe
+
+    sys.exit(run("fault_soak", main))

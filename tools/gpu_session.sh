@@ -36,9 +36,9 @@ while [ $# -gt 0 ]; do
              WORLD=$2; shift 2;;
     --world=*) WORLD=${1#--world=}; shift;;
     --dry-run) DRY=1; shift;;
-    -*) echo "gpu_session.sh: unknown option $1 (see --help)" >&2; exit 2;;
-    *) [ -z "$GIVEN" ] || { echo "gpu_session.sh: one output folder only, got '$GIVEN' and '$1' (see --help)" >&2
-                            exit 2; }
+    -*) echo "gpu_session.sh: error: unrecognized arguments: $1 (see --help)" >&2; exit 2;;
+    *) [ -z "$GIVEN" ] || { echo "gpu_session.sh: error: unrecognized arguments: $1 (one output folder only," \
+                                 "got '$GIVEN' before it; see --help)" >&2; exit 2; }
        GIVEN=$1; shift;;
   esac
 done

@@ -19,6 +19,11 @@ case "${1:-}" in -h|--help)
   echo "       bash tools/gpu_session.sh --help says what it runs and its time budget)"
   exit 0;;
 esac
+case "$#:${1:-0}" in [012]:0|[012]:1) ;; *)  # DRY and DIR, as tools/gpu_session.sh passes them
+  echo "gpu_session_world2.sh: error: unrecognized arguments: $* (run it as bash tools/gpu_session.sh --world 2;" \
+       "see --help)" >&2
+  exit 2;;
+esac
 DRY=${1:-0}
 OUTDIR=$(python3 "$(dirname "$0")/_cli.py" output-path gpu_session.sh gpu_session_world2 "${2:-}") || exit 2
 OUTDIR=$(realpath -m "$OUTDIR")  # relative to the folder it was called from

@@ -16,13 +16,12 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import CannotRun, Parser, output_path
+from _cli import PLOT_EXTRA, CannotRun, Parser, has_matplotlib, output_path
 from _cli import run as run_tool
 
 from lowgrad.diagnostics.log import read_log
 
 NAME = "grad_report"
-NEEDS_MATPLOTLIB = 'plots need matplotlib: pip install ".[plot]" (or pip install matplotlib)'
 
 
 def _f(x: float | None) -> str:
@@ -147,10 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(folder, f"{NAME}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {os.path.join(folder, NAME + '.json')}")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"{NAME}: no PNGs: {NEEDS_MATPLOTLIB}", file=sys.stderr)
+    if not has_matplotlib():
+        print(f"{NAME}: no PNGs: plots need matplotlib: {PLOT_EXTRA}", file=sys.stderr)
         return 0
     for path in plot(report, folder):
         print(f"wrote {path}")

@@ -16,12 +16,16 @@ tests/test_docs.py regenerates it and compares.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import Parser, require_matplotlib
+from _cli import run as run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"  # the records: runs.json and the files it names
@@ -345,10 +349,12 @@ def committed_block(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser("summarize_benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare only; exit 1 when BENCHMARKS.md differs")
     ap.add_argument("--no-plots", action="store_true", help="write the table only")
     args = ap.parse_args(argv)
+    if not (args.check or args.no_plots):
+        require_matplotlib("the plots need matplotlib (--no-plots writes the table only)")  # before any write
     md = ROOT / "BENCHMARKS.md"
     text = md.read_text()
     block = render()
@@ -367,4 +373,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("summarize_benchmarks", main))

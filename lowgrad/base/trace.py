@@ -7,7 +7,7 @@ launch, copy and collective, through the standard ``logging`` logger ``"lowgrad"
   NCCL call (CUDA) or host kernel and host collective (host backend), with sizes and the stream.
   They are produced while :data:`ENABLED` is true, which is when either
 
-  * ``LOWGRAD_TRACE`` is on (read once at import; :func:`enable` switches it at run time):
+  * ``LOWGRAD_TRACE`` is on (read once, at ``import lowgrad``; :func:`enable` switches it at run time):
     ``1`` (or ``true``, ``on``, ``yes``) writes them to stderr, any other value but the off
     words appends them to the file it names; ``0``, ``false``, ``off``, ``no`` and the empty
     string (any case) leave it off. A file that cannot be opened at import gives a

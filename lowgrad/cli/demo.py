@@ -68,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
     p.add_argument("--world", type=positive, help="ranks (threads); default 1 on the GPU, 2 on the host")
     p.add_argument("--strategy", choices=("all", *STRATEGIES), default="all")
-    p.add_argument("--offload", choices=("both", "off", "on"), default="both")
+    p.add_argument("--offload", nargs="?", const="on", choices=("both", "off", "on"), default="both",
+                   help="the runs with pinned offload, without it, or both (default); --offload alone is on, "
+                        "as in examples/train_lm.py")
     p.add_argument("--micro-steps", type=positive, default=4)
     p.add_argument("--steps", type=positive, default=2, help="optimizer steps; the last one is timed and checked")
     p.add_argument("--seed", type=_int_in(0, 64), default=1234)

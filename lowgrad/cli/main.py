@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
-import signal
 import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from lowgrad.base.version import __version__
 from lowgrad.cli import demo, doctor
+from lowgrad.cli.pipe import quiet_on_closed_pipe
 
 _MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "__main__.py")
 DESCRIPTION = """\
@@ -28,10 +27,6 @@ def prog_name(argv0: str | None = None) -> str:
         python = os.path.basename(getattr(sys, "orig_argv", [""])[0]) or "python"
         return f"{python} -m lowgrad"
     return "lowgrad"
-
-
-#: the status a shell reports for a command that a closed pipe ended (128 + SIGPIPE)
-CLOSED_PIPE = 128 + signal.SIGPIPE
 
 
 class Parser(argparse.ArgumentParser):
@@ -72,25 +67,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; its exit status.
 
     A reader that closes stdout early (``lowgrad doctor | head -1``) ends the command quietly
-    with :data:`CLOSED_PIPE`, the status a shell gives a command that SIGPIPE ended. Python's
-    recipe (the ``signal`` module's notes on SIGPIPE): stdout is pointed at devnull, so that the
-    interpreter's last flush does not raise again. SIGPIPE itself keeps Python's disposition: a
-    socket of a rendezvous that breaks is an error, and is reported as one."""
+    with 141, the status a shell gives a command that SIGPIPE ended
+    (:func:`lowgrad.cli.pipe.quiet_on_closed_pipe`)."""
     args = parser(prog).parse_args(argv)
-    try:
-        status = int(args.run(args))
-        sys.stdout.flush()  # inside the try: a block-buffered pipe fails here, not at exit
-    except BrokenPipeError:
-        if not _stdout_closed():
-            raise  # another pipe or socket broke: not the reader of stdout going away
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return CLOSED_PIPE
-    return status
-
-
-def _stdout_closed() -> bool:
-    """Whether stdout's reader is gone: poll reports an error or hang-up on the writing end of a
-    pipe whose reading end was closed (a zero-byte write would not tell, it succeeds)."""
-    poll = select.poll()
-    poll.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    return quiet_on_closed_pipe(lambda: int(args.run(args)))

@@ -126,6 +126,10 @@ class CommBase(ABC):
     #: True where a collective call blocks the calling host thread until every peer has made
     #: it (the host backend, the loopback): ranks must not issue them from one shared thread.
     meets_peers_on_host: bool = False
+    #: True where the ranks are threads of this one process (:func:`lowgrad.run_threads` sets it on
+    #: every communicator it makes; :meth:`split` passes it on): a facility that a process has
+    #: once (``torch.distributed``'s default process group) cannot give each rank its own.
+    ranks_are_threads: bool = False
 
     def _init_base(self, rank: int, world: int, device: Any, timeout: float | None) -> None:
         world, rank = integer("world", world), integer("rank", rank)
@@ -301,7 +305,9 @@ class CommBase(ABC):
         watchdog's, :meth:`abort`) aborts it too, so a failure reaches every communicator split
         from the one it aborted."""
         color, key = check_split(self, color, key)
-        return self._split(color, key)
+        child = self._split(color, key)
+        child.ranks_are_threads = self.ranks_are_threads
+        return child
 
     @abstractmethod
     def _split(self, color: int, key: int) -> CommBase:

@@ -44,7 +44,9 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     CommAbortedError saying which rank failed and why (``rank 1 failed: RuntimeError: boom; the
     communicator was aborted``). Ranks that do not
     unwind within a few seconds of the failure are left behind as daemon threads.
-    ``timeout`` (seconds) bounds initialisation and every wait of the communicators.
+    ``timeout`` (seconds) bounds initialisation and every wait of the communicators. Each
+    communicator says ``ranks_are_threads`` (what a per-process facility such as
+    ``torch.distributed``'s process group cannot serve: ``lowgrad.torch.init_process_group``).
     """
     world = integer("world", world)
     if world < 1:
@@ -78,6 +80,7 @@ def run_threads(world: int, fn: Callable[[Any], Any], backend: str = "host",
     def body(rank: int) -> None:
         try:
             comm = make(rank, failed)
+            comm.ranks_are_threads = True
             comms[rank] = comm
             if failed.is_set():
                 comm.abort()

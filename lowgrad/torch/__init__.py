@@ -50,7 +50,9 @@ from lowgrad.torch.dcp import dcp_load as dcp_load
 from lowgrad.torch.dcp import dcp_save as dcp_save
 from lowgrad.torch.layout import find_blocks, module_layout
 from lowgrad.torch.optimizer import NONFINITE_POLICIES, ShardOptimizer
+from lowgrad.torch.process_group import init_process_group
 from lowgrad.torch.rows import ShardRows as ShardRows
 from lowgrad.torch.rows import _local as _local
 
-__all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES"]
+__all__ = ["attach", "Attached", "ShardOptimizer", "module_layout", "find_blocks", "NONFINITE_POLICIES",
+           "init_process_group"]

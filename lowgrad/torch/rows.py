@@ -109,9 +109,9 @@ def process_group_problem(world: int, rank: int) -> str | None:
         return None
     return (f"torch.distributed.checkpoint of a rank's rows (rank {rank} of {world}) needs a torch.distributed "
             f"process group of the run's ranks; found {'none' if found is None else f'rank {found[1]} of {found[0]}'}"
-            ". lowgrad's launchers start none: call torch.distributed.init_process_group('gloo', rank=comm.rank, "
-            "world_size=comm.world, ...) first (docs/torch.md), or use lowgrad.torch.save_checkpoint / "
-            "load_checkpoint")
+            ". lowgrad's launchers start none: where the ranks are processes (torchrun, lowgrad.from_env), call "
+            "lowgrad.torch.init_process_group(comm) first; ranks that are threads of one process (run_threads, "
+            "the host backend) cannot have one: use lowgrad.torch.save_checkpoint / load_checkpoint (docs/torch.md)")
 
 
 def _local(t: Any) -> Any:
