@@ -311,12 +311,8 @@ def test_every_call_waits_for_the_previous_one_to_complete(fake: FakeNccl, block
     comes only once the communicator reports ncclSuccess; a split's child is used only once it
     exists and is ready; close finalizes, waits, then destroys (each step refused otherwise)."""
     comm, _, t = make(fake, blocking=blocking)
+    traffic(comm, t, 3)
     for _ in range(3):
-        comm.all_reduce(t)
-        comm.reduce_scatter(t)
-        with comm.group():
-            comm.send(t, 1)
-            comm.recv(t, 1)
         comm.all_to_all_many([t])
     fake.rank, fake.world = 0, 1
     child = comm.split(4)
@@ -357,14 +353,19 @@ def test_a_collective_that_never_completes_is_aborted_within_the_timeout(fake: F
     assert not watchdog_threads()
 
 
-def test_a_completed_collective_is_never_aborted(fake: FakeNccl) -> None:
-    comm, _, t = make(fake)
-    for _ in range(5):
+def traffic(comm: Any, t: Any, rounds: int) -> None:
+    """``rounds`` of an all-reduce, a reduce-scatter and a group of a send and a receive."""
+    for _ in range(rounds):
         comm.all_reduce(t)
         comm.reduce_scatter(t)
         with comm.group():
             comm.send(t, 1)
             comm.recv(t, 1)
+
+
+def test_a_completed_collective_is_never_aborted(fake: FakeNccl) -> None:
+    comm, _, t = make(fake)
+    traffic(comm, t, 5)
     time.sleep(TIMEOUT + MARGIN)
     assert not comm.aborted and not fake.aborted
     comm.all_reduce(t)
