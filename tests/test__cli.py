@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import lowgrad as lg
@@ -174,6 +175,8 @@ PIPED: dict[str, list[str]] = {
     "tools/fault_soak.py": ["--steps", "3"],
     "tools/grad_report.py": ["--log", "grad.jsonl"],
     "tools/predict_scaling.py": [],
+    "tools/exchange_bias.py": ["--n", "256", "--seeds", "1", "--inputs", "mean-tie"],
+    "tools/compressed_hop.py": ["--grads", "grads.npy", "--seeds", "1", "--micro-steps", "2"],
     "tools/world2_report.py": ["--help"],
     "tools/summarize_benchmarks.py": ["--help"],  # it prints nothing with --check, and rewrites BENCHMARKS.md without
     "examples/plot_losses.py": ["run.json"],
@@ -196,6 +199,8 @@ def test_a_closed_pipe_ends_quietly(script: str, tmp_path: Path) -> None:
     if script == "tools/grad_report.py":
         from test_grad_report import write_log
         write_log(tmp_path / "grad.jsonl")
+    if script == "tools/compressed_hop.py":  # (micro-steps, n) gradients, as tools/accuracy.py reads them
+        np.save(tmp_path / "grads.npy", np.random.default_rng(0).standard_normal((2, 4096)).astype(np.float32))
     if script == "examples/plot_losses.py":
         made = _run("examples/train_lm.py", ["--steps", "3", "--quiet", "--json", "run.json"], tmp_path)
         assert made.returncode == 0, made.stderr
