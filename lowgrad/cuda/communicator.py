@@ -6,9 +6,10 @@ when unset):
 - **non-blocking** (the default, :data:`DEFAULT_BLOCKING`; ``blocking=False``,
   ``LOWGRAD_NCCL_BLOCKING=0``): every call that returns ``ncclInProgress`` is polled until NCCL
   has taken it (sleeps from 20 us, doubling), in the calling thread; no watchdog. The default
-  because it is the mode proven on hardware: the whole GPU suite passed in it on an H100
-  (2026-12-06), as it had on the H200 before; the blocking mode passed the same suite that day
-  but has never run at world 2 on two GPUs (docs/design.md says what would make it the default).
+  because it is the mode proven on hardware: the GPU suite passed in it on the H200 before issue
+  33, and on an H100 (2026-12-06) both modes ran the suite with the same few, explained failures;
+  the blocking mode has never run at world 2 on two GPUs (docs/design.md says what would make it
+  the default).
 - **blocking** (opt-in, ``blocking=True``, ``LOWGRAD_NCCL_BLOCKING=1``; PyTorch's
   ProcessGroupNCCL's choice): NCCL calls return once their work is queued, with no thread and no
   poll per call. NCCL's ``ncclGroupEnd`` hands every launch that involves a peer of a
