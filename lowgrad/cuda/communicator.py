@@ -201,7 +201,7 @@ class Communicator(GpuCommBase):
                 cell, _ = nccl.comm_split(self.handle, color, key, self.blocking)
         handle = 0
         try:
-            self._settle("ncclCommSplit", nccl.IN_PROGRESS, self.timeout)
+            self._until_ready("ncclCommSplit", self.timeout)  # whatever the split returned
             handle = cell.value or 0
             if not handle:
                 raise NcclError("ncclCommSplit", 3, "ncclInternalError", "the split completed without a communicator",
@@ -261,7 +261,11 @@ class Communicator(GpuCommBase):
     def _settle(self, call: str, rc: int, timeout: float) -> None:
         """After a call returned ncclInProgress: poll until NCCL has taken it (or fail)."""
         if rc == nccl.IN_PROGRESS:
-            self._poll(call, timeout, lambda: self._async_state(call) == nccl.SUCCESS)
+            self._until_ready(call, timeout)
+
+    def _until_ready(self, call: str, timeout: float) -> None:
+        """Poll until the communicator's asynchronous state is ncclSuccess (or fail)."""
+        self._poll(call, timeout, lambda: self._async_state(call) == nccl.SUCCESS)
 
     def _async_state(self, call: str) -> int:
         """``ncclCommGetAsyncError`` of the open communicator (an NCCL error aborts and raises)."""
