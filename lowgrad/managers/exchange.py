@@ -123,7 +123,10 @@ class NonBlockExchange:
             nodes = [v for t in tensors for v in self._slices(t)]
             self.steps.append(lambda: reduce_scatter_all(groups.node, nodes, stream, event))
         for j, t in enumerate(tensors):
-            (self._unbiased if unbiased else self._nearest)(j, t, counter)
+            if unbiased:
+                self._unbiased(j, t, counter)
+            else:
+                self._nearest(t)
 
     def _slices(self, t: Tensor) -> list[Tensor]:
         return [shard_view(t, k, self.groups.nodes).flat() for k in range(self.groups.nodes)]
@@ -135,7 +138,7 @@ class NonBlockExchange:
         mine = [t.flat().view((k * G + g) * c, c) for k in range(N)]
         return mine, [self.scratch[0].view(k * c, c) for k in range(N)], mine[n]
 
-    def _nearest(self, j: int, t: Tensor, counter: SeedCounter) -> None:
+    def _nearest(self, t: Tensor) -> None:
         """Across the nodes, after the node's reduce-scatter of every tensor: the node's chunks
         into the scratch, their reduce-scatter over the N ranks, its slot ``n`` back."""
         mine, slots, own = self._chunks(t)
