@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from lowgrad.base.errors import CheckpointError
+from lowgrad.torch.rows import process_group_ranks
 
 
 def init_process_group(comm: Any, backend: str = "gloo", **kwargs: Any) -> None:
@@ -35,14 +36,13 @@ def init_process_group(comm: Any, backend: str = "gloo", **kwargs: Any) -> None:
             "run_threads), and torch.distributed has one process group per process: DCP at world > 1 needs its "
             "ranks as processes (torchrun and lowgrad.from_env). With threads, save and resume with "
             "lowgrad.torch.save_checkpoint / load_checkpoint (any world; docs/torch.md)")
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        found = (dist.get_world_size(), dist.get_rank())
+    found = process_group_ranks()
+    if found is not None:
         if found == (world, rank):
             return
         raise CheckpointError(f"lowgrad.torch.init_process_group: this process already has a torch.distributed "
                               f"process group as rank {found[1]} of {found[0]}, not rank {rank} of {world}")
     if "timeout" not in kwargs and math.isfinite(comm.timeout):
         kwargs["timeout"] = timedelta(seconds=comm.timeout)
+    import torch.distributed as dist
     dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)

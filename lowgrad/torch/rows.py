@@ -95,6 +95,12 @@ ShardRows.__module__ = "lowgrad.torch"
 torch.serialization.add_safe_globals([ShardRows])
 
 
+def process_group_ranks() -> tuple[int, int] | None:
+    """(world, rank) of this process's ``torch.distributed`` default process group, or None."""
+    import torch.distributed as dist
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+
+
 def process_group_problem(world: int, rank: int) -> str | None:
     """Why DCP cannot save or load rank ``rank``'s rows of a run of ``world`` ranks here, or None:
     it needs a ``torch.distributed`` process group of ``world`` ranks with this process as ``rank``
@@ -103,8 +109,7 @@ def process_group_problem(world: int, rank: int) -> str | None:
     that fills every rank's rows from it without a word)."""
     if world == 1:
         return None
-    import torch.distributed as dist
-    found = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else None
+    found = process_group_ranks()
     if found == (world, rank):
         return None
     return (f"torch.distributed.checkpoint of a rank's rows (rank {rank} of {world}) needs a torch.distributed "
