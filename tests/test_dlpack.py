@@ -137,3 +137,18 @@ def test_dlpack_argument_checks(host: lg.HostDevice) -> None:
     gc.collect()
     release.drain()
     assert dlpack.live_exports() == 0
+
+
+def test_mapped_pinned_memory_is_named_as_the_consumer_asks() -> None:
+    """Memory both sides address (kDLCUDAHost; PyTorch 2.11 refuses that type) is exported as
+    kDLCPU or as kDLCUDA of its GPU on request, and as nothing else: a refused request leaves
+    nothing behind, and the corrected retry gives the device asked for."""
+    pinned = ((dlpack.KDL_CUDA_HOST, 0), (dlpack.KDL_CPU, 0), (dlpack.KDL_CUDA, 3))
+    assert dlpack.check_request(pinned, None, None, None) == (False, (dlpack.KDL_CUDA_HOST, 0))
+    with pytest.raises(BufferError, match="without a copy"):
+        dlpack.check_request(pinned, None, (dlpack.KDL_CUDA, 0), None)  # another GPU
+    assert dlpack.check_request(pinned, (1, 0), (dlpack.KDL_CUDA, 3), None) == (True, (dlpack.KDL_CUDA, 3))
+    assert dlpack.check_request(pinned, None, (dlpack.KDL_CPU, 0), None) == (False, (dlpack.KDL_CPU, 0))
+    with pytest.raises(BufferError, match="without a copy"):  # GPU-only memory has no CPU name
+        dlpack.check_request(((dlpack.KDL_CUDA, 0),), None, (dlpack.KDL_CPU, 0), None)
+    assert dlpack.live_exports() == 0
