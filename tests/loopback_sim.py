@@ -5,15 +5,20 @@
 thread until its peers arrive, as the kernel blocks its stream). That is one legal schedule of
 the device work, so it checks the communicator's protocol — the meetings, the table entries, the
 copy and reduction arguments, the all-to-all schedule, sends and receives, aborts, timeouts and
-departures — but not stream ordering (the GPU tests do). A device-wide synchronize (and so a
-host copy) waits, as ``cuCtxSynchronize`` does, until no rank's sync is waiting for its peers;
-if one still waits after ``SYNC_BOUND`` seconds it raises (on a GPU the synchronize would hang
-until the loopback timeout). ``patch(monkeypatch)`` swaps the
+departures — but not stream ordering (the GPU tests do). The driver's calls that wait for the whole
+device (synchronize, host copies, allocations and frees: CUDA's implicit synchronisation) wait
+until no rank's sync is waiting for its peers, and they wait holding the driver's lock, which a
+launch takes too (as ``cuMemFree`` held an H100's driver lock against other threads'
+``cuLaunchKernel``); if a sync still waits after ``SYNC_BOUND`` seconds the call raises (on a GPU
+it would hang until the loopback timeout). The device's gate
+(:class:`lowgrad.runtime.gate.DeviceGate`) is around each such call, as on a
+:class:`lowgrad.Device`; :class:`UngatedSimDevice` leaves it out. ``patch(monkeypatch)`` swaps the
 launcher in :mod:`lowgrad.cuda.loopback`; ``run(world, fn)`` runs ranks through
 ``lowgrad.run_threads(..., share_gpu=SimDevice())``.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -23,11 +28,13 @@ import numpy as np
 import pytest
 
 import lowgrad as lg
+from lowgrad.buffers.memory import RawBlock
 from lowgrad.cuda import loopback
 from lowgrad.cuda.compiler import constants
 from lowgrad.host.device import HostDevice
 from lowgrad.host.kernels import HostKernels
 from lowgrad.host.reduce import host_reduce
+from lowgrad.runtime.gate import DeviceGate
 
 C = constants("loopback")
 OPS = {C["LB_SUM"]: "sum", C["LB_MAX"]: "max", C["LB_AVG"]: "avg"}
@@ -76,13 +83,15 @@ def sync(a: dict[str, Any]) -> None:
 SYNC_BOUND = 5.0
 _syncs = threading.Condition()
 _waiting = [0]  # ranks inside a sync (the simulated device is busy)
+_driver = threading.Lock()  # the driver's lock: device-wide calls wait holding it, launches take it
 
 
 def device_wide_synchronize() -> None:
-    with _syncs:
+    with _driver, _syncs:
         if not _syncs.wait_for(lambda: _waiting[0] == 0, SYNC_BOUND):
-            raise AssertionError(f"a device-wide synchronize waited {SYNC_BOUND:g} s for loopback syncs that did not "
-                                 "finish: a rank queued a device-side wait for a peer that waits on the host")
+            raise AssertionError(f"a device-wide call waited {SYNC_BOUND:g} s for loopback syncs that did not finish: "
+                                 "a rank queued a device-side wait for a peer that waits on the host, or whose "
+                                 "launch waits for the driver's lock this call holds")
 
 
 def copy(a: dict[str, Any]) -> None:
@@ -113,6 +122,8 @@ class SimKernel:
             a[p.name] = args[i] if p.count == 1 else list(args[i:i + p.count])
             i += p.count
         name = self.spec.symbol
+        with _driver:  # queuing a launch takes the driver's lock; the kernel then runs without it
+            pass
         if name == "loopback_sync":
             with _syncs:
                 _waiting[0] += 1
@@ -143,20 +154,36 @@ class SimKernels(HostKernels):
 
 
 class SimDevice(HostDevice):
-    """A host device whose kernel table also runs the loopback kernels, and whose synchronize
-    and host copies wait for every rank's syncs (as a GPU's would)."""
+    """A host device whose kernel table also runs the loopback kernels, and whose synchronize,
+    host copies, allocations and frees wait for every rank's syncs holding the driver's lock
+    (as a GPU's would), each behind the device's gate."""
+
+    def __init__(self, name: str = "sim") -> None:
+        super().__init__(name)
+        self.sync_gate = self.gate_type()
+
+    gate_type: type[DeviceGate] = DeviceGate
+
+    def _device_wide(self) -> None:
+        with self.sync_gate.device_wide:
+            device_wide_synchronize()
 
     def synchronize(self) -> None:
-        device_wide_synchronize()
+        self._device_wide()
         super().synchronize()
 
     def copy_to_host(self, out: np.ndarray, src: lg.Tensor) -> None:
-        device_wide_synchronize()
+        self._device_wide()
         super().copy_to_host(out, src)
 
     def copy_from_host(self, dst: lg.Tensor, arr: np.ndarray) -> None:
-        device_wide_synchronize()
+        self._device_wide()
         super().copy_from_host(dst, arr)
+
+    def _raw_alloc(self, kind: str, nbytes: int) -> RawBlock:
+        self._device_wide()
+        block = super()._raw_alloc(kind, nbytes)
+        return block._replace(free=self._device_wide)  # the block is numpy's; the free is the driver's wait
 
     @property
     def kernels(self) -> SimKernels:
@@ -165,9 +192,27 @@ class SimDevice(HostDevice):
         return self._kernels
 
 
+class NoGate(DeviceGate):
+    """A gate that lets everything through (what the loopback did before it had one)."""
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_wide = contextlib.nullcontext()  # type: ignore[assignment]
+
+
+class UngatedSimDevice(SimDevice):
+    gate_type = NoGate
+
+
 def patch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loopback, "Kernel", SimKernel)
 
 
-def run(world: int, fn: Any, timeout: float = 30) -> list[Any]:
-    return lg.run_threads(world, fn, backend="cuda", share_gpu=SimDevice("sim"), timeout=timeout)
+def run(world: int, fn: Any, timeout: float = 30, device: SimDevice | None = None) -> list[Any]:
+    return lg.run_threads(world, fn, backend="cuda", share_gpu=device or SimDevice("sim"), timeout=timeout)

@@ -5,17 +5,19 @@ happens; an abort reaches the split communicators. tests/test_loopback_split_gpu
 same jobs on a GPU."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from loopback_sim import patch, run
+from loopback_sim import SimDevice, UngatedSimDevice, patch, run
 from test_hierarchical import small_layout
 from test_host_communicator_split import split_cycles
 from test_managers import bf16_grad, drive
 
 import lowgrad as lg
+from lowgrad.cuda import loopback
 
 SHAPES = [(4, 2), (8, 4), (8, 2)]
 
@@ -109,3 +111,63 @@ def test_split_and_close_cycles_leave_no_group_held_by_the_parent() -> None:
     with pytest.raises(RuntimeError, match=r"boom in rank 1 \(0 held\)"):
         run(2, split_cycles(lambda c: c.shared.meet._children), timeout=60)
     assert time.monotonic() - t0 < 10
+
+
+def busy_neighbours(iterations: int) -> Any:
+    """Ranks 0 and 1 all-reduce in their own group while ranks 2 and 3 allocate, copy to and
+    from the device and free, over and over: device-wide calls in some threads while a
+    collective is part-way queued in others (what hung an H100 when a free held the driver's
+    lock against a peer's launch). Ranks 2 and 3 go on until ranks 0 and 1 are done."""
+    done = threading.Event()
+
+    def job(c: Any) -> float:
+        sub = c.split(c.rank // 2)
+        t = c.device.alloc((3,), lg.fp32, name="t")
+        c.device.copy_from_host(t, np.full(3, 1.0 + c.rank, np.float32))
+        if c.rank < 2:
+            for _ in range(iterations):
+                sub.all_reduce(t, "avg")
+                sub.wait()
+            done.set()
+        while c.rank >= 2 and not done.is_set():
+            u = c.device.alloc((64,), lg.fp32, name="u")
+            c.device.copy_from_host(u, np.ones(64, np.float32))
+            u.allocation.close()  # the free
+        host = np.zeros(3, np.float32)
+        c.device.copy_to_host(host, t)
+        sub.close()
+        return float(host[0])
+    return job
+
+
+def test_device_wide_calls_wait_for_collectives_part_way_queued() -> None:
+    got = run(4, busy_neighbours(200), timeout=20)
+    assert got == [1.5, 1.5, 3.0, 4.0]
+
+
+def test_without_the_gate_the_stand_in_hangs_as_the_gpu_did() -> None:
+    """The stand-in's driver lock is what makes the test above able to fail: the same job on a
+    device without the gate stops with the stand-in's hang report (or a peer's timeout)."""
+    with pytest.raises((AssertionError, lg.CommTimeoutError, lg.CommAbortedError)):
+        run(4, busy_neighbours(200), timeout=5, device=UngatedSimDevice())
+
+
+def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's copy fails after its peers met it (its window open): every rank's window closes,
+    so the device-wide calls after it (the test's own copies) do not wait forever."""
+    real = loopback.Kernel.launch
+
+    def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
+        if self.spec.symbol == "loopback_copy" and threading.current_thread().name == "lowgrad-rank1":
+            raise RuntimeError("boom in rank 1's copy")
+        real(self, grid, stream, *args)
+    monkeypatch.setattr(loopback.Kernel, "launch", launch)
+    dev = SimDevice()
+
+    def job(c: Any) -> None:
+        t = c.device.alloc((4,), lg.fp32, name="t")
+        c.all_reduce(t)
+    with pytest.raises(RuntimeError, match="boom in rank 1's copy"):
+        run(2, job, timeout=10, device=dev)
+    assert dev.sync_gate.windows == 0
+    dev.synchronize()

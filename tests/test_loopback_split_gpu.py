@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_loopback_split import SHAPES, check_node_sums, hierarchical, node_sums
+from test_loopback_split import SHAPES, busy_neighbours, check_node_sums, hierarchical, node_sums
 
 import lowgrad as lg
 
@@ -45,3 +45,16 @@ def test_an_abort_reaches_the_split_communicators() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         loopback(2, job)
     assert time.monotonic() - t0 < 15
+
+
+def test_device_wide_calls_beside_collectives_part_way_queued() -> None:
+    """Frees, allocations and host copies in two ranks' threads while two others all-reduce:
+    before the device gate, a cuMemFree held the driver's lock against a peer's launch and the GPU
+    hung until the timeout (most of the loopback split runs on an H100, 2026-12-06)."""
+    assert loopback(4, busy_neighbours(300), timeout=30) == [1.5, 1.5, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("world,group", [(8, 4), (8, 2)])
+def test_split_collectives_again_and_again(world: int, group: int) -> None:
+    for _ in range(5):
+        check_node_sums(loopback(world, node_sums(group), timeout=30), world, group)

@@ -17,6 +17,7 @@ from lowgrad.buffers.tensor import Tensor
 from lowgrad.contracts.backend import DeviceBase
 from lowgrad.cuda import driver as _cuda
 from lowgrad.cuda.stream import Event, Stream
+from lowgrad.runtime.gate import DeviceGate
 
 if TYPE_CHECKING:
     from lowgrad.cuda.kernels import CudaKernels
@@ -64,6 +65,9 @@ class Device(DeviceBase):
         self.activate()
         self.default_stream = Stream.wrap(self, 0)
         self._kernels: CudaKernels | None = None
+        #: allocations, frees, synchronous copies and synchronize wait for the whole device: they
+        #: pass this gate, which keeps them out of a loopback collective queued part by part
+        self.sync_gate = DeviceGate()
 
     # ---- context -----------------------------------------------------------------------
     def activate(self) -> None:
@@ -85,7 +89,8 @@ class Device(DeviceBase):
         """Block the host until all work on this device is done."""
         capture.forbid("Device.synchronize (a host sync)")
         self.activate()
-        _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
+        with self.sync_gate.device_wide:
+            _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
         release.drain()
 
     # ---- properties --------------------------------------------------------------------
@@ -180,20 +185,22 @@ class Device(DeviceBase):
         drv = _cuda.driver()
         self.activate()
         size, on_device = max(nbytes, 1), KIND_ACCESS[kind][0]
-        if kind == "device":
-            ptr = int(_cuda.check("cuMemAlloc", drv.cuMemAlloc(size)))
-            return RawBlock(ptr, _Free(self, drv.cuMemFree, ptr), None, on_device)
         if kind == "host":
             ptr, view = aligned_host_buffer(nbytes)
             return RawBlock(ptr, _noop, view, on_device)
+        if kind == "device":
+            with self.sync_gate.device_wide:
+                ptr = int(_cuda.check("cuMemAlloc", drv.cuMemAlloc(size)))
+            return RawBlock(ptr, _Free(self, drv.cuMemFree, ptr), None, on_device)
         flags = _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP
         if kind == "write_combined":
             flags |= _CU_MEMHOSTALLOC_WRITECOMBINED
-        host = int(_cuda.check("cuMemHostAlloc", drv.cuMemHostAlloc(size, flags)))
-        dptr = int(_cuda.check("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(host, 0)))
-        if dptr != host:
-            drv.cuMemFreeHost(host)
-            raise ValueError("pinned memory needs unified addressing (device pointer != host pointer)")
+        with self.sync_gate.device_wide:
+            host = int(_cuda.check("cuMemHostAlloc", drv.cuMemHostAlloc(size, flags)))
+            dptr = int(_cuda.check("cuMemHostGetDevicePointer", drv.cuMemHostGetDevicePointer(host, 0)))
+            if dptr != host:
+                drv.cuMemFreeHost(host)
+                raise ValueError("pinned memory needs unified addressing (device pointer != host pointer)")
         return RawBlock(host, _Free(self, drv.cuMemFreeHost, host), host_array(host, nbytes), on_device)
 
     def _copy(self, dst: Tensor, src: Tensor, stream: int) -> None:
@@ -204,18 +211,20 @@ class Device(DeviceBase):
         capture.forbid(f"reading {src.name!r} to the host (a host sync)")
         self.synchronize()
         if src.nbytes:
-            _cuda.check("cuMemcpyDtoH", _cuda.driver().cuMemcpyDtoH(out.ctypes.data, src.ptr, src.nbytes))
+            with self.sync_gate.device_wide:
+                _cuda.check("cuMemcpyDtoH", _cuda.driver().cuMemcpyDtoH(out.ctypes.data, src.ptr, src.nbytes))
 
     def copy_from_host(self, dst: Tensor, arr: np.ndarray) -> None:
         capture.forbid(f"writing {dst.name!r} from the host (a host sync)")
         self.synchronize()
         if dst.nbytes:
-            _cuda.check("cuMemcpyHtoD", _cuda.driver().cuMemcpyHtoD(dst.ptr, arr.ctypes.data, dst.nbytes))
-            # from pageable memory the call returns once the bytes are staged, before the DMA has
-            # landed (CUDA's documented sync behaviour): a kernel queued next on a non-blocking
-            # stream could read the old bytes (the likely cause of two reduce_sr mismatches on an
-            # H100 with two test processes sharing it, 2026-12-06)
-            _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
+            with self.sync_gate.device_wide:
+                _cuda.check("cuMemcpyHtoD", _cuda.driver().cuMemcpyHtoD(dst.ptr, arr.ctypes.data, dst.nbytes))
+                # from pageable memory the call returns once the bytes are staged, before the DMA
+                # has landed (CUDA's documented sync behaviour): a kernel queued next on a
+                # non-blocking stream could read the old bytes (the likely cause of two reduce_sr
+                # mismatches on an H100 with two test processes sharing it, 2026-12-06)
+                _cuda.check("cuCtxSynchronize", _cuda.driver().cuCtxSynchronize())
 
     def __repr__(self) -> str:
         return f"Device({self.ordinal})"
@@ -236,7 +245,8 @@ class _Free:
         drv = _cuda.driver()
         drv.cuCtxPushCurrent(self.device._ctx)
         try:
-            self.fn(self.ptr)
+            with self.device.sync_gate.device_wide:  # a free waits for the device (lowgrad.runtime.gate)
+                self.fn(self.ptr)
         finally:
             drv.cuCtxPopCurrent()
 

@@ -60,6 +60,11 @@ class Participant(Protocol):
         """The replay was launched on ``stream`` (the launch stream): advance host state,
         re-record events."""
 
+    def replay_failed(self, stream: int) -> None:
+        """After this participant's :meth:`replay_before`, a later step of the replay raised
+        (another participant, or the launch): undo what :meth:`replay_before` began that only
+        :meth:`replay_done` would end."""
+
     def capture_closing(self, stream: int) -> None:
         """The capture of ``stream`` is about to end: join any side stream back into it."""
 
@@ -201,14 +206,21 @@ class Graph:
                 raise ClosedError(f"graph replay: the allocation {', '.join(a.parts)!r} it uses was closed")
         h = stream_handle(stream)
         applied = [(p, p.replay_check(t)) for p, t in self._participants.items()]
-        for p, _ in applied:
-            p.replay_before(h)
-        launch = h
-        for p, _ in applied:
-            launch = p.replay_launch(launch)
-        err = _graph_launch(self._exec_handle, launch)
-        if err:
-            raise _cuda.fail("cuGraphLaunch", err)
+        begun = 0
+        try:
+            for p, _ in applied:
+                p.replay_before(h)
+                begun += 1
+            launch = h
+            for p, _ in applied:
+                launch = p.replay_launch(launch)
+            err = _graph_launch(self._exec_handle, launch)
+            if err:
+                raise _cuda.fail("cuGraphLaunch", err)
+        except BaseException:
+            for p, _ in applied[:begun]:
+                p.replay_failed(h)
+            raise
         for p, a in applied:
             p.replay_done(a, launch)
 

@@ -26,9 +26,14 @@ sit in a queue ahead of the kernel it waits for. Each collective therefore runs 
    stream waits for the done event.
 
 A device-side wait only ever waits for work queued before it, so no wait can hold back what it
-waits for, and a rank may block in a device-wide synchronize between collectives. Groups of sends
-and receives meet their peers instead of every rank, pair by pair in one order of the pairs
-(``_flush_p2p``), which keeps that rule. The host
+waits for. From the first meeting to the second a rank holds a window of the device's gate
+(:mod:`lowgrad.runtime.gate`): the driver calls that wait for the whole device while holding the
+driver's lock (frees, allocations, host copies, synchronize; every rank makes them between
+collectives) wait until no collective is part-way queued, and none starts queuing while one runs
+(a free in one rank's thread otherwise held another rank's launch, which a third rank's queued
+kernel waited for: hangs on an H100, 2026-12-06). Groups of sends and receives meet their peers
+instead of every rank, pair by pair in one order of the pairs (``_flush_p2p``), which keeps
+these rules. The host
 never waits for the GPU inside a collective, so CUDA-graph capture works as with NCCL (the
 loopback stream joins the capture through the events; each replay meets the threads before and
 after its launch).
@@ -74,6 +79,7 @@ from lowgrad.cuda import graph
 from lowgrad.cuda.compiler import constants, kernel
 from lowgrad.cuda.gpu_comm import GpuCommBase
 from lowgrad.cuda.kernels import Kernel
+from lowgrad.runtime.gate import DeviceGate
 from lowgrad.runtime.threads import ThreadCollective
 
 _C = constants("loopback")
@@ -100,9 +106,10 @@ class LoopbackGroup:
     left), and the threads' meeting point where ranks agree on each collective before queuing it."""
 
     def __init__(self, device: Any, world: int, timeout: float | None = None) -> None:
-        if not callable(getattr(getattr(device, "kernels", None), "kernel", None)):
-            raise TypeError(f"the loopback communicator needs a device that launches CUDA kernels (a lowgrad.Device), "
-                            f"got {device!r}")
+        if not callable(getattr(getattr(device, "kernels", None), "kernel", None)) or \
+                not isinstance(getattr(device, "sync_gate", None), DeviceGate):
+            raise TypeError(f"the loopback communicator needs a device that launches CUDA kernels and gates its "
+                            f"device-wide calls (a lowgrad.Device), got {device!r}")
         world = integer("loopback world", world)
         if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
@@ -114,6 +121,7 @@ class LoopbackGroup:
                              "(run_threads(share_gpu=True) sets it when unset); more than 32 ranks cannot share one "
                              "GPU")
         self.device, self.world, self.timeout = device, world, check_timeout(timeout)
+        self.gate: DeviceGate = device.sync_gate
         device.activate()
         # u64 words: meetings per pair of ranks, then the device copy of "failed" (kernels/loopback.cu)
         self._counters = device.alloc((world * world + 1,), fp64, name="loopback_counters")
@@ -254,10 +262,14 @@ class LoopbackCommunicator(GpuCommBase):
     def _collectives(self, items: list[_Item]) -> None:
         streams = self._ready_on([h for _, h, _ in items])
         self.shared.agree(self.rank, tuple(sig for sig, _, _ in items), self.timeout)
-        self._start(streams)
-        for _, _, work in items:
-            work(self._stream_h)
-        self._finish(streams)
+        self.shared.gate.open()
+        try:
+            self._start(streams)
+            for _, _, work in items:
+                work(self._stream_h)
+            self._finish(streams)
+        finally:
+            self.shared.gate.close()
 
     def _ready_on(self, handles: list[int]) -> list[int]:
         """Phase 1: record a ready event on each distinct caller stream; returns those streams."""
@@ -324,8 +336,10 @@ class LoopbackCommunicator(GpuCommBase):
         return template
 
     def replay_before(self, stream: int) -> None:
-        """The ranks' threads meet before any of them launches a replay (calls compared)."""
+        """The ranks' threads meet before any of them launches a replay (calls compared); the
+        device gate's window opens until :meth:`replay_done` or :meth:`replay_failed`."""
         self.shared.agree(self.rank, ("graph replay",), self.timeout)
+        self.shared.gate.open()
 
     def replay_launch(self, stream: int) -> int:
         """Replays launch on this rank's loopback stream (its own hardware queue, so one rank's
@@ -337,7 +351,15 @@ class LoopbackCommunicator(GpuCommBase):
     def replay_done(self, applied: int, stream: int) -> None:
         """... and meet again after every rank has launched it, before the caller's stream
         waits for it."""
-        self._finish(self._replay_caller)
+        try:
+            self._finish(self._replay_caller)
+        finally:
+            self.shared.gate.close()
+
+    def replay_failed(self, stream: int) -> None:
+        """The launch failed after :meth:`replay_before`: the window closes (the peers' meeting
+        after it times out or sees the abort that follows)."""
+        self.shared.gate.close()
 
     def _sync(self, h: int, ptrs: Sequence[int] = (), entries: Sequence[int] | None = None,
               peers: int | None = None) -> None:
@@ -456,7 +478,10 @@ class LoopbackCommunicator(GpuCommBase):
         the host before it queues its own part. (One meeting with all peers did not: in a ring,
         rank r+1 could queue its wait for rank r while r still waited on the host for r-1, and a
         device-wide synchronize in r-1 then waited on a kernel that could not finish.) The pair
-        order is one total order of the pairs, so the meetings never wait in a cycle."""
+        order is one total order of the pairs, so the meetings never wait in a cycle. The device
+        gate's window is per pair, from its meeting to a second one once both have queued: a
+        window spanning the whole flush waited for peers that waited for their other peers,
+        one of which waited at the gate for that window (a cycle)."""
         ops, self._p2p = self._p2p, []
         if not ops:
             return
@@ -471,11 +496,16 @@ class LoopbackCommunicator(GpuCommBase):
         for peer in sorted(by_peer, key=lambda q: (min(q, r), max(q, r))):
             sends, recvs = by_peer[peer]
             self.shared.match(r, {peer: None}, self.timeout, tag="pair")
-            self._sync(h, [t.ptr for t in sends], [base + (r * W + peer) * PTRS + i for i in range(len(sends))],
-                       1 << peer)
-            for i, t in enumerate(recvs):
-                self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
-            self._sync(h, peers=1 << peer)
+            self.shared.gate.open()  # per pair: a rank's window waits only for a peer in its own
+            try:
+                self._sync(h, [t.ptr for t in sends], [base + (r * W + peer) * PTRS + i for i in range(len(sends))],
+                           1 << peer)
+                for i, t in enumerate(recvs):
+                    self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
+                self._sync(h, peers=1 << peer)
+                self.shared.match(r, {peer: None}, self.timeout, tag="pair queued")
+            finally:
+                self.shared.gate.close()
         self._finish(streams, dict.fromkeys(by_peer))
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:

@@ -221,6 +221,10 @@ class Capture:
     def replay_launch(stream: int) -> int:
         return stream
 
+    @staticmethod
+    def replay_failed(stream: int) -> None:
+        """Nothing to undo: replay_before only queued waits, and the host state moves in replay_done."""
+
     def replay_done(self, applied: Replayed, stream: int) -> None:
         host, state = self.state, self.state.protocol
         state.complete = state.complete or applied.step > host.step  # the replay ended a step
