@@ -171,3 +171,12 @@ def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.Mo
         run(2, job, timeout=10, device=dev)
     assert dev.sync_gate.windows == 0
     dev.synchronize()
+
+
+def test_a_split_queues_on_its_parent_ranks_loopback_stream() -> None:
+    """A split group makes no streams: each rank's collectives of every group run on the rank's
+    one loopback stream (which has a hardware queue of its own), kept alive by the child."""
+    def job(c: Any) -> tuple[bool, int]:
+        with c.split(c.rank % 2) as sub, sub.split(0) as subsub:
+            return sub._stream_h == subsub._stream_h == c._stream_h, len(sub.shared.streams)
+    assert run(4, job) == [(True, 0)] * 4

@@ -105,7 +105,7 @@ class LoopbackGroup:
     memory), the status words (mapped pinned memory: abort request, first error, ranks that
     left), and the threads' meeting point where ranks agree on each collective before queuing it."""
 
-    def __init__(self, device: Any, world: int, timeout: float | None = None) -> None:
+    def __init__(self, device: Any, world: int, timeout: float | None = None, streams: bool = True) -> None:
         if not callable(getattr(getattr(device, "kernels", None), "kernel", None)) or \
                 not isinstance(getattr(device, "sync_gate", None), DeviceGate):
             raise TypeError(f"the loopback communicator needs a device that launches CUDA kernels and gates its "
@@ -114,7 +114,7 @@ class LoopbackGroup:
         if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"loopback world must be an int in [1, {MAX_WORLD}], got {world!r}")
         queues = hardware_queues()
-        if world > queues:
+        if streams and world > queues:
             raise ValueError(f"loopback world {world} needs a hardware queue per rank; CUDA gives this process "
                              f"{queues} (CUDA_DEVICE_MAX_CONNECTIONS, default 8, at most 32): set "
                              "CUDA_DEVICE_MAX_CONNECTIONS=32 before the process creates its CUDA context "
@@ -138,8 +138,9 @@ class LoopbackGroup:
         jitter = os.environ.get("LOWGRAD_LOOPBACK_JITTER_US", "")
         self.jitter_ns = int(float(jitter) * 1000) if jitter else 0
         self.meet = ThreadCollective(world, self.timeout)  # the ranks' threads meet here before queuing
-        # one stream per rank, created together so that each gets its own hardware queue
-        self.streams = [device.stream() for _ in range(world)]
+        # one stream per rank, created together so that each gets its own hardware queue; a group
+        # split from another has none: its ranks queue on their parent ranks' streams
+        self.streams = [device.stream() for _ in range(world)] if streams else []
 
     def agree(self, rank: int, signature: Any, timeout: float) -> None:
         """Block until every rank has called its next collective (or replay); ValueError on
@@ -203,7 +204,8 @@ class LoopbackCommunicator(GpuCommBase):
     meets_peers_on_host = True
     _label = " (loopback)"
 
-    def __init__(self, rank: int, group: LoopbackGroup, timeout: float | None = None) -> None:
+    def __init__(self, rank: int, group: LoopbackGroup, timeout: float | None = None,
+                 stream: Any = None) -> None:
         if not isinstance(group, LoopbackGroup):
             raise TypeError(f"group must be a LoopbackGroup, got {type(group).__name__}")
         self._init_base(rank, group.world, group.device, check_timeout(timeout, group.timeout))
@@ -220,7 +222,10 @@ class LoopbackCommunicator(GpuCommBase):
         self._everyone = (1 << self.world) - 1
         self._queue: list[_Item] = []  # a group's collectives: (signature, caller stream, work)
         self._p2p: list[tuple[bool, Tensor, int, int]] = []  # a group's (is_send, tensor, peer, stream)
-        self._stream_h = stream_handle(group.streams[rank])  # where this rank's loopback work runs
+        # where this rank's loopback work runs: its group's stream, or (split) its parent rank's,
+        # held here so that it outlives the parent group
+        self._loop_stream = group.streams[rank] if stream is None else stream
+        self._stream_h = stream_handle(self._loop_stream)
         self._ready: list[Any] = []  # an event per caller stream of one collective (or group)
         self._done = group.device.event(name=f"loopback_done{rank}")  # after this rank's last collective
         self._done_recorded = False
@@ -309,18 +314,26 @@ class LoopbackCommunicator(GpuCommBase):
 
     def _split(self, color: int, key: int) -> LoopbackCommunicator:
         """The ranks of ``color`` get a new :class:`LoopbackGroup` of their own on this device
-        (its counters, table, status words and one stream per rank, made by its new rank 0 and
-        handed to the others through the threads' meeting), with this communicator's timeout. An
-        abort of this group reaches it. Not inside a graph capture (it allocates)."""
+        (its counters, table and status words, made by its new rank 0 and handed to the others
+        through the threads' meeting), with this communicator's timeout. An abort of this group
+        reaches it. Not inside a graph capture (it allocates).
+
+        Each rank queues the new group's collectives on its own loopback stream, the one of this
+        communicator: every loopback stream of the process then has a hardware queue of its own
+        (a group's streams are created together), where streams made for each split group shared
+        queues with other groups' streams, and a waiting kernel at the head of a shared queue can
+        hold back the kernel it waits for. One stream per rank adds no wait: a rank passes a
+        collective's second meeting only once all its peers have queued it, so the collectives on
+        a rank's stream never wait for one queued behind them."""
         capture.forbid("split (it allocates a loopback group)")
         group, timeout = self.shared, self.timeout
         try:
             rank, child = group.meet.split(self.rank, color, key, timeout,
-                                           lambda size: LoopbackGroup(group.device, size, timeout))
+                                           lambda size: LoopbackGroup(group.device, size, timeout, streams=False))
         except (CommAbortedError, CommTimeoutError):
             group.abort()
             raise
-        return LoopbackCommunicator(rank, child, timeout)
+        return LoopbackCommunicator(rank, child, timeout, stream=self._loop_stream)
 
     # ---- the Graph participant protocol (lowgrad.cuda.graph.Participant) ---------------
     def capture_closing(self, stream: int) -> None:
