@@ -3,6 +3,7 @@ on one GPU through the loopback communicator); the shards equal the host backend
 driven by hand with the same (GPU-computed) gradients, bit for bit."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,23 +53,37 @@ def test_cuda_shards_equal_the_host_manager_with_the_same_gradients(world: int, 
 @pytest.mark.parametrize("world,strategy,options", [(2, "scatter_reduce", {}),
                                                     (4, "hierarchical", {"group_size": 2, "rounding": "sr"})], ids=str)
 def test_shard_optimizer_on_the_gpu_keeps_ranks_equal(world: int, strategy: str, options: dict[str, Any]) -> None:
-    """hierarchical at 2 x 2: the parameters gathered across the nodes, then within them."""
+    """hierarchical at 2 x 2: the parameters gathered across the nodes, then within them.
+
+    PyTorch's allocations and host copies wait for the whole device (CUDA's implicit
+    synchronisation) without passing lowgrad's device gate: made in one rank's thread while a
+    loopback collective is part-way queued, they can hang the GPU (docs/loopback.md). So the ranks
+    build their models and warm PyTorch's caching allocator (a step without lowgrad) before any
+    collective, and read their parameters once every rank has closed its manager."""
+    here = threading.Barrier(world, timeout=60)
+
     def job(c: Any) -> dict[str, Any]:
         if not torch.cuda.is_available():
             pytest.skip("torch has no CUDA")
         torch.cuda.set_stream(torch.cuda.Stream())  # this rank's thread: its own stream
         model = Tiny().cuda()
+        for m in range(2):
+            loss(model, c.rank, m).backward()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        here.wait()
         att = attach(model, c, strategy=strategy, seed=3, **options)
         opt = ShardOptimizer(att, lr=1e-2, weight_decay=0.1)
         for m in range(2):
             with att.micro_step(m, 2):
                 loss(model, c.rank, m).backward()
         finite = opt.step(max_norm=0.5)
+        opt.close()
+        att.close()
+        here.wait()
         torch.cuda.synchronize()
         out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         assert bool(finite)
-        opt.close()
-        att.close()
         return out
     out = lg.run_threads(world, job, backend="cuda", share_gpu=True, timeout=60)
     a = out[0]
