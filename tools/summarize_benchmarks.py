@@ -227,7 +227,7 @@ def rows(runs: Runs) -> list[tuple[str, str, str, str, dict[str, Any]]]:
         run, (log,) = got
         line = next(ln for ln in reversed(log.splitlines()) if re.search(r"\d+ passed", ln))
         out.append(("GPU test suite (`pytest -m gpu`)",
-                    re.sub(r",? \d+ deselected", "", line.split(" in ")[0]), "—", "—", run))
+                    re.sub(r",? \d+ deselected", "", line.split(" in ")[0]).strip("= "), "—", "—", run))
     return out
 
 

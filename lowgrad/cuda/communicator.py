@@ -7,7 +7,8 @@ when unset):
   ``LOWGRAD_NCCL_BLOCKING=0``): every call that returns ``ncclInProgress`` is polled until NCCL
   has taken it (sleeps from 20 us, doubling), in the calling thread; no watchdog. The default
   because it is the mode proven on hardware: the GPU suite passed in it on the H200 before issue
-  33, and on an H100 (2026-12-06) both modes ran the suite with the same few, explained failures;
+  33, and on an H100 (2026-12-06) both modes ran the suite with the same few, explained failures
+  (later runs that day, in this mode: every NCCL test passed);
   the blocking mode has never run at world 2 on two GPUs (docs/design.md says what would make it
   the default).
 - **blocking** (opt-in, ``blocking=True``, ``LOWGRAD_NCCL_BLOCKING=1``; PyTorch's
