@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lowgrad.base.dtypes import DType, bf16, fp8_e4m3, fp16, fp32, fp64
+from lowgrad.base.dtypes import DType, bf16, byte, fp8_e4m3, fp16, fp32, fp64
 from lowgrad.base.integers import integer
 from lowgrad.base.limits import U64
 from lowgrad.buffers import capture
@@ -23,11 +23,12 @@ from lowgrad.sr.checks import (
     SR_DTYPES,
     check_accumulate,
     check_index_offset,
+    check_int,
     check_scale,
     check_seed,
     check_u32,
 )
-from lowgrad.sr.reference import check_reduce_sr_args
+from lowgrad.sr.reference import QBLOCK, check_reduce_sr_args
 from lowgrad.sr.seedcounter import SeedCounter
 
 __all__ = ["NORM_OUT_DTYPES", "SR_DTYPES", "add_sr", "bind_add_sr", "bind_add_sr_multi", "bind_grad_stats",
@@ -340,6 +341,54 @@ def bind_reduce_sr(dst: Tensor, src: Tensor, n_shards: int, skip: int = -1, scal
         dst, src, n_shards, skip, scale, accumulate, 0, index_offset)
     return dev.kernels.bind_reduce_sr(dst, src, n_shards, skip, scale, accumulate, index_offset,
                                       check_seed_source(seeds, 1, dev))
+
+
+def _check_i8_slots(call: str, dst: Tensor, q: Tensor, scales: Tensor, slots: int) -> Any:
+    """The 8-bit hop's tensors: ``q`` (byte) of ``slots`` x ``dst.numel`` elements, ``scales``
+    (fp32) of ``slots`` x one per QBLOCK of them, ``dst`` fp32 or bf16, none overlapping, on one
+    device in kernel memory; returns the device."""
+    for t, what in ((dst, "x" if call == "quantize_i8_sr" else "dst"), (q, "q"), (scales, "scales")):
+        _tensor(t, what)
+    _dtype_in(dst, "x" if call == "quantize_i8_sr" else "dst", SR_DTYPES)
+    _dtype_in(q, "q", (byte,))
+    _dtype_in(scales, "scales", (fp32,))
+    n, blocks = dst.numel, -(-dst.numel // QBLOCK)
+    if q.numel != slots * n or scales.numel != slots * blocks:
+        raise ValueError(f"{call}: q has {q.numel} and scales {scales.numel} elements; {slots} slot(s) of "
+                         f"{n} elements need {slots * n} and {slots * blocks} (one scale per {QBLOCK})")
+    dev = _same_device(dst, (q, "q"), (scales, "scales"))
+    for a, b in ((dst, q), (dst, scales), (q, scales)):
+        if _overlap(a, b):
+            raise ValueError(f"{call}: {a.name!r} may not overlap {b.name!r}")
+    _kernel_memory(dev, (dst, "dst"), (q, "q"), (scales, "scales"))
+    return dev
+
+
+def bind_quantize_i8_sr(q: Tensor, scales: Tensor, x: Tensor, index_offset: int = 0,
+                        seeds: Any = 0) -> Callable[[int], None]:
+    """:func:`lowgrad.sr.reference.quantize_i8_sr` of ``x`` into ``q`` (byte, ``x.numel``) and
+    ``scales`` (fp32, one per ``QBLOCK`` elements), checked and packed once; ``seeds`` one seed int or
+    ``(counter, layer, lane)``. The returned ``f(stream)`` queues it on an int handle."""
+    dev = _check_i8_slots("quantize_i8_sr", x, q, scales, 1)
+    index_offset = check_index_offset(index_offset, x.numel)
+    return dev.kernels.bind_quantize_i8_sr(q, scales, x, index_offset, check_seed_source(seeds, 1, dev))
+
+
+def bind_dequant_reduce_sr(dst: Tensor, q: Tensor, scales: Tensor, n_shards: int, skip: int = -1,
+                           scale: float = 1.0, index_offset: int = 0, seeds: Any = 0) -> Callable[[int], None]:
+    """:func:`lowgrad.sr.reference.dequant_reduce_sr` into ``dst`` (its value added first) from
+    ``n_shards`` slots of ``q`` and ``scales`` (:func:`bind_quantize_i8_sr`'s), checked and packed
+    once, ``skip`` a slot or -1."""
+    n_shards = check_int(n_shards, "n_shards")
+    if not 1 <= n_shards < 1 << 32:
+        raise ValueError(f"n_shards must be in [1, 2**32), got {n_shards}")
+    skip = check_int(skip, "skip")
+    if not -1 <= skip < n_shards:
+        raise ValueError(f"skip {skip} outside [-1, {n_shards})")
+    dev = _check_i8_slots("dequant_reduce_sr", dst, q, scales, n_shards)
+    scale, index_offset = check_scale(scale), check_index_offset(index_offset, dst.numel)
+    return dev.kernels.bind_dequant_reduce_sr(dst, q, scales, n_shards, skip, scale, index_offset,
+                                              check_seed_source(seeds, 1, dev))
 
 
 def fill_zero(dst: Tensor, stream: StreamLike = None) -> None:

@@ -81,6 +81,7 @@ def sync(a: dict[str, Any]) -> None:
 
 
 SYNC_BOUND = 5.0
+_GATE = DeviceGate()  # the simulated GPU's
 _syncs = threading.Condition()
 _waiting = [0]  # ranks inside a sync (the simulated device is busy)
 _driver = threading.Lock()  # the driver's lock: device-wide calls wait holding it, launches take it
@@ -160,7 +161,10 @@ class SimDevice(HostDevice):
 
     def __init__(self, name: str = "sim") -> None:
         super().__init__(name)
-        self.sync_gate = self.gate_type()
+        # every SimDevice is the one simulated GPU (its driver lock and syncs are this module's), so
+        # they share one gate, as every lowgrad.Device(0) is one: a free drained late from an
+        # earlier test's SimDevice passes the same gate as this test's collectives
+        self.sync_gate = self.gate_type() if self.gate_type is not DeviceGate else _GATE
 
     gate_type: type[DeviceGate] = DeviceGate
 

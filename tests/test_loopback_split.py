@@ -47,12 +47,12 @@ def node_sums(group: int) -> Any:
     return job
 
 
-def hierarchical(group: int, offload: bool, rounding: str | None = None) -> Any:
+def hierarchical(group: int, offload: bool, rounding: str | None = None, **options: Any) -> Any:
     layout = small_layout()
 
     def job(c: Any) -> dict[str, np.ndarray]:
         with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=group, offload=offload,
-                                        seed=7, rounding=rounding) as gm:
+                                        seed=7, rounding=rounding, **options) as gm:
             return drive(c, layout, "hierarchical", offload, 3, steps=2, gm=gm, gfun=bf16_grad)
     return job
 
@@ -180,3 +180,12 @@ def test_a_split_queues_on_its_parent_ranks_loopback_stream() -> None:
         with c.split(c.rank % 2) as sub, sub.split(0) as subsub:
             return sub._stream_h == subsub._stream_h == c._stream_h, len(sub.shared.streams)
     assert run(4, job) == [(True, 0)] * 4
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (8, 2), (8, 4)])
+def test_hierarchical_int8_hop_equals_the_host_backend(world: int, group: int) -> None:
+    """The 8-bit cross-node hop through the loopback's all-to-all of byte and float32 slots (the
+    stand-in's kernels are the host's): the same bits as the host backend."""
+    job = hierarchical(group, True, "sr", cross_node_bits=8)
+    for a, b in zip(run(world, job), lg.run_threads(world, job)):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

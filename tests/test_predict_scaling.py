@@ -245,7 +245,7 @@ def test_bad_multi_node_options_are_refused() -> None:
 # ---- the byte model against the bytes the managers send (host backend, a counting communicator) ----
 PARTS = {"block_grad": "block", "block_grad_shards": "block", "block_grad_node_shards": "block",
          "non_block_grad": "non_block", "non_block_exchange": "non_block", "grad_norm": "norm",
-         "lowgrad_torch_gather": "params"}
+         "lowgrad_torch_gather": "params", "cross_node_int8": "block", "cross_node_scales": "block"}
 
 
 class Counting:
@@ -300,13 +300,14 @@ class Counting:
         return Counting(new, members, self._G, self._log)
 
 
-def counted(strategy: str, world: int, G: int, rounding: str, micro: int) -> dict[str, dict[str, float]]:
+def counted(strategy: str, world: int, G: int, rounding: str, micro: int,
+            **options: Any) -> dict[str, dict[str, float]]:
     """The mean over the ranks of the bytes each sent in one step of ``micro`` micro-steps and a
     global norm, by part and link."""
     from test_managers import drive
     lay = byte_layout()
     log: dict[int, dict[str, list[float]]] = {}
-    opts = {"group_size": G} if strategy == "hierarchical" else {}
+    opts = {"group_size": G, **options} if strategy == "hierarchical" else {}
 
     def fn(c: Any) -> None:
         comm = Counting(c, list(range(world)), G, log)
@@ -347,6 +348,24 @@ def test_the_byte_model_is_what_the_managers_send(world: int, G: int, strategy: 
         w, g = want.get(part, {"intra": 0.0, "inter": 0.0}), got.get(part, {"intra": 0.0, "inter": 0.0})
         assert g["intra"] == pytest.approx(w["intra"], rel=1e-12), (part, g, w)
         assert g["inter"] == pytest.approx(w["inter"], rel=1e-12), (part, g, w)
+
+
+@pytest.mark.parametrize("world,G", [(8, 2), (8, 4), (16, 4)])
+@pytest.mark.parametrize("rounding", ["ldsr", "sr"])
+def test_the_int8_hop_sends_what_the_model_says(world: int, G: int, rounding: str) -> None:
+    """``cross_node_bits=8``: the blocks' bytes across the nodes are the int8 slots and their
+    scales (counted), a little over half of bf16's."""
+    cfg = replace(ps.Config(), micro_steps=2, gpus_per_node=G, rounding=rounding, cross_node_bits=8)
+    want = ps.step_bytes([h for h in ps.hops(byte_layout(), "hierarchical", world, G, cfg) if h.part != "params"])
+    got = counted("hierarchical", world, G, rounding, 2, cross_node_bits=8)
+    assert got["block"]["inter"] == pytest.approx(want["block"]["inter"], rel=1e-12)
+    assert got["block"]["intra"] == pytest.approx(want["block"]["intra"], rel=1e-12)
+    bf16 = ps.step_bytes(ps.hops(byte_layout(), "hierarchical", world, G, replace(cfg, cross_node_bits=16)))
+    assert want["block"]["inter"] < bf16["block"]["inter"]  # tiny pieces: a scale for every few bytes
+    big = ps.lg.Layout(block=[ps.lg.ParamSpec("w", (4096, 4096))], non_block=[], num_layers=1)
+    ratio = [ps.step_bytes(ps.hops(big, "hierarchical", world, G, replace(cfg, cross_node_bits=b)))["block"]["inter"]
+             for b in (8, 16)]
+    assert ratio[0] / ratio[1] == pytest.approx((1 + 4 / ps.QBLOCK) / 2)  # 0.516 for a 7B layer
 
 
 def test_the_issue_numbers_follow_from_the_byte_model() -> None:

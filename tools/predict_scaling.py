@@ -44,6 +44,7 @@ from _cli import run as run_tool
 from bench_manager import RUNS as BENCH_RUNS
 
 import lowgrad as lg
+from lowgrad.sr.reference import QBLOCK
 
 # the strategies this model has formulas for (each exchange's collectives and traffic are written
 # out below, strategy by strategy), as the manager bench runs them, on the default streams
@@ -140,6 +141,7 @@ class Config:
     gpus_per_node: int = GPUS_PER_NODE
     inter_node_node_gbps: float | None = None  # per node, each way: the node's GPUs share it (else G x per GPU)
     rounding: str = "ldsr"  # the managers' rounding: "sr" exchanges through all-to-alls where it is unbiased
+    cross_node_bits: int = 16  # hierarchical's hop across the nodes: 16 (bf16) or 8 (int8 + a scale per QBLOCK)
 
     def node_gbps(self) -> float:
         """The bandwidth between a node and the others, each way, all its GPUs together."""
@@ -446,8 +448,12 @@ def hops(layout: lg.Layout, strategy: str, world: int, G: int, cfg: Config) -> l
                 Hop("norm", "all_reduce", 4, world, G, 1, "step"),
                 Hop("params", "ring", 2 * layout.total_numel, G, G, 1, "step")]
     if strategy == "hierarchical":
-        out += [Hop("block", exchange_kind(sr), S, G, G, M * L, "micro"),
-                Hop("block", exchange_kind(sr), S / G, N, 1, L, "last")]
+        out.append(Hop("block", exchange_kind(sr), S, G, G, M * L, "micro"))
+        if cfg.cross_node_bits == 8 and N > 1:  # each piece of 1/W: a byte an element, a float32 per QBLOCK
+            pieces = [s.numel // world for s in layout.block]
+            out.append(Hop("block", "all_to_all", sum(N * (p + 4 * -(-p // QBLOCK)) for p in pieces), N, 1, L, "last"))
+        else:
+            out.append(Hop("block", exchange_kind(sr), S / G, N, 1, L, "last"))
     else:
         kind = "all_to_all" if strategy == "all_to_all" else "ring"
         out.append(Hop("block", kind, S, world, G, L if strategy == "unsharded" else M * L,
@@ -789,6 +795,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the managers' rounding: under sr all_to_all's non-block gradients and hierarchical's every "
                         "exchange go through all-to-alls")
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    p.add_argument("--cross-node-bits", type=int, choices=(16, 8), default=d.cross_node_bits,
+                   help="hierarchical's hop across the nodes: bf16, or int8 with a float32 scale per "
+                        f"{QBLOCK} elements (cross_node_bits=8)")
     p.add_argument("--nodes", default=",".join(map(str, NODES)), help="comma list of node counts (across nodes)")
     p.add_argument("--json", help=output_help("predict_scaling.json"))
     p.add_argument("--markdown", default=None, help="also write the section as Markdown to this path")
@@ -812,7 +821,8 @@ def config_of(args: argparse.Namespace) -> Config:
                    peak_tflops=args.peak_tflops, mfu=args.mfu, tokens=args.tokens, micro_steps=args.micro_steps,
                    host_dram_gbps=args.host_dram, nccl_sms=args.nccl_sms, nccl_host_us=args.nccl_host_us,
                    inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
-                   inter_node_node_gbps=args.inter_node_gbps_per_node, rounding=args.rounding)
+                   inter_node_node_gbps=args.inter_node_gbps_per_node, rounding=args.rounding,
+                   cross_node_bits=args.cross_node_bits)
 
 
 def main(argv: list[str] | None = None) -> int:

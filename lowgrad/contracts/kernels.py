@@ -193,6 +193,20 @@ class Kernels(ABC):
         [lane])``: the returned ``f(stream)`` queues it (ClosedError as :meth:`bind_add_sr`)."""
 
     @abstractmethod
+    def bind_quantize_i8_sr(self, q: Tensor, scales: Tensor, x: Tensor, index_offset: int,
+                            seeds: SeedSource) -> Callable[[int], None]:
+        """``f(stream)`` queues :func:`lowgrad.sr.reference.quantize_i8_sr` of ``x`` (fp32 or
+        bf16) into ``q`` (``byte``, ``x.numel``) and ``scales`` (fp32, one per block of
+        ``QBLOCK``), ``seeds`` as in :meth:`bind_reduce_sr`."""
+
+    @abstractmethod
+    def bind_dequant_reduce_sr(self, dst: Tensor, q: Tensor, scales: Tensor, n_shards: int, skip: int,
+                               scale: float, index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
+        """``f(stream)`` queues :func:`lowgrad.sr.reference.dequant_reduce_sr` into ``dst`` (its
+        own value added first): ``q`` holds ``n_shards`` slots of ``dst.numel`` bytes, ``scales``
+        theirs."""
+
+    @abstractmethod
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         """Update the seed counter ``counter`` (one ``COUNTER_DTYPE`` record of
         :mod:`lowgrad.sr.seedcounter`) on ``stream``: op ``SET`` to ``(base, step, micro 0,

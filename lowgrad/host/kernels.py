@@ -136,6 +136,28 @@ class HostKernels(Kernels):
                  "index_offset": index_offset}
         return lambda stream: twin.apply(named, _roundings(seeds)[0], stream)
 
+    def bind_quantize_i8_sr(self, q: Tensor, scales: Tensor, x: Tensor, index_offset: int,
+                            seeds: SeedSource) -> Callable[[int], None]:
+        def run(stream: int) -> None:
+            if trace.ENABLED:
+                _trace("quantize_i8_sr", q, stream)
+            rd = _roundings(seeds)[0]
+            qv, sv = reference.quantize_i8_sr(x.numpy().reshape(-1), rd.seed, index_offset, rd.shift, rd.nearest)
+            q.numpy().reshape(-1)[:] = qv.view(np.uint8)
+            scales.numpy().reshape(-1)[:] = sv
+        return run
+
+    def bind_dequant_reduce_sr(self, dst: Tensor, q: Tensor, scales: Tensor, n_shards: int, skip: int,
+                               scale: float, index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
+        def run(stream: int) -> None:
+            if trace.ENABLED:
+                _trace("dequant_reduce_sr", dst, stream)
+            rd = _roundings(seeds)[0]
+            d = dst.numpy().reshape(-1)
+            d[:] = reference.dequant_reduce_sr(d, q.numpy().reshape(-1), scales.numpy().reshape(-1), n_shards, skip,
+                                               scale, rd.seed, index_offset, rd.shift, rd.nearest)
+        return run
+
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         if trace.ENABLED:
             _trace("seed_counter", counter, stream)

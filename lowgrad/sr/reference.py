@@ -15,6 +15,7 @@ import numpy as np
 
 from lowgrad.base.dtypes import bf16, fp32
 from lowgrad.base.limits import U32
+from lowgrad.contracts.kernel_source import constants
 from lowgrad.sr.checks import (
     check_accumulate,
     check_index_offset,
@@ -124,6 +125,64 @@ def reduce_sr(dst: np.ndarray, src: np.ndarray, n_shards: int, skip: int, scale:
             if k != skip:
                 acc += blocks[k].astype(np.float32)
         acc *= np.float32(scale)
+    return round_sr(acc, seed, index_offset, dst.dtype, shift, nearest).reshape(dst.shape)
+
+
+# ---- the 8-bit hop (kernels/quant8.cu) -----------------------------------------------------------
+#: elements per int8 block sharing one float32 scale (kernels/quant8.cu's QBLOCK)
+QBLOCK = constants("quant8")["QBLOCK"]
+
+
+def _hop_noise(seed: int, index_offset: int, n: int, shift: int, nearest: bool, half: int) -> np.ndarray:
+    """The 16-bit noise of element indices ``index_offset ..``, as uint32: ``half`` when rounding
+    to nearest, else Philox's plus ``shift`` mod 2**16."""
+    if nearest:
+        return np.full(n, half, np.uint32)
+    return (sr_noise(seed, index_offset, n).astype(np.uint32) + np.uint32(shift)) & np.uint32(0xFFFF)
+
+
+def quantize_i8_sr(x: np.ndarray, seed: int, index_offset: int = 0, shift: int = 0,
+                   nearest: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (fp32 or bf16, n elements) as ``(q, scales)``: int8 ``q`` of n elements and one float32
+    scale per block of :data:`QBLOCK` (the last block partial). A block's scale is ``amax / 127``
+    (float32 division, ``amax`` the largest ``|x|`` of the block), NaN where the block holds a
+    non-finite value; ``q_i = clamp(floor(x_i / s + r_i * 2**-16), -127, 127)`` in float32, ``r_i``
+    the 16-bit noise of element ``index_offset + i`` plus ``shift`` mod 2**16 (0x8000 with
+    ``nearest``: half up), and 0 where the scale is 0 or NaN. ``E[q_i] * s = x_i`` up to 2**-16 of a
+    step: the hop adds no bias."""
+    x = _array(x, "x").reshape(-1)
+    seed, index_offset = check_seed(seed), check_index_offset(index_offset, x.size)
+    n, blocks = x.size, -(-x.size // QBLOCK)
+    flat = np.zeros(blocks * QBLOCK, np.float32)
+    flat[:n] = x.astype(np.float32)
+    v = flat.reshape(blocks, QBLOCK)
+    bad = ~np.isfinite(v).all(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scales = np.where(bad, np.float32(np.nan), np.abs(v).max(axis=1) / np.float32(127)).astype(np.float32)
+        u = _hop_noise(seed, index_offset, n, shift, nearest, 0x8000).astype(np.float32) * np.float32(1 / 65536)
+        s = np.repeat(scales, QBLOCK)[:n]
+        t = np.floor(v.reshape(-1)[:n] / s + u)
+    q = np.where(s > 0, np.clip(np.nan_to_num(t), -127, 127), 0).astype(np.int8)
+    return q, scales
+
+
+def dequant_reduce_sr(dst: np.ndarray, q: np.ndarray, scales: np.ndarray, n_shards: int, skip: int, scale: float,
+                      seed: int, index_offset: int = 0, shift: int = 0, nearest: bool = False) -> np.ndarray:
+    """``SR((dst + sum_{k != skip} q[k] * scales[k]) * scale)`` as ``dst``'s dtype and shape: ``q``
+    holds ``n_shards`` consecutive int8 blocks of ``dst.size`` elements and ``scales`` theirs
+    (:func:`quantize_i8_sr`'s, each block's scale for :data:`QBLOCK` elements), summed in float32
+    in shard order (each product and sum rounded to float32) and rounded once as
+    :func:`reduce_sr` rounds. ``dst`` is not modified."""
+    dst = _array(dst, "dst")
+    n, blocks = dst.size, -(-dst.size // QBLOCK)
+    qs = np.asarray(q).view(np.int8).reshape(n_shards, n)
+    ss = np.asarray(scales, np.float32).reshape(n_shards, blocks)
+    acc = dst.astype(np.float32).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for k in range(n_shards):
+            if k != skip:
+                acc = acc + qs[k].astype(np.float32) * np.repeat(ss[k], QBLOCK)[:n]
+        acc = acc * np.float32(scale)
     return round_sr(acc, seed, index_offset, dst.dtype, shift, nearest).reshape(dst.shape)
 
 

@@ -70,9 +70,10 @@ from lowgrad import ops
 from lowgrad.base.integers import integer
 from lowgrad.buffers.streams import StreamLike
 from lowgrad.buffers.tensor import Container, Tensor, shard_view
-from lowgrad.managers.exchange import NodeGroups, SumExchange
+from lowgrad.managers.exchange import Int8Hop, NodeGroups, SumExchange
 from lowgrad.managers.strategies.buffers import AlternatingBuffers
 from lowgrad.managers.strategy import StatsTarget, Strategy, StrategyContext
+from lowgrad.sr.reference import QBLOCK
 
 #: the launchers' ranks per node, in the order they are read
 LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
@@ -93,13 +94,18 @@ class Hierarchical(Strategy):
     name = "hierarchical"
 
     @classmethod
-    def check(cls, comm: Any, offload: bool, group_size: Any = None, **options: Any) -> dict[str, Any]:
+    def check(cls, comm: Any, offload: bool, group_size: Any = None, cross_node_bits: Any = 16,
+              **options: Any) -> dict[str, Any]:
         super().check(comm, offload, **options)
         world = int(comm.world)
         G = local_world_size(world) if group_size is None else integer("group_size", group_size)
         if G < 1 or world % G:
             raise ValueError(f"hierarchical: group_size {G} must be a positive divisor of world {world}")
-        return {"group_size": G}
+        bits = integer("cross_node_bits", cross_node_bits)
+        if bits not in (8, 16):
+            raise ValueError(f"hierarchical: cross_node_bits must be 16 (the accumulator's bf16) or 8 (int8 with a "
+                             f"float32 scale per {QBLOCK} elements, rounded stochastically), got {bits}")
+        return {"group_size": G, "cross_node_bits": bits}
 
     @classmethod
     def inline_refusal(cls, world: int, offload: bool) -> str | None:
@@ -116,13 +122,15 @@ class Hierarchical(Strategy):
     def groups(self) -> NodeGroups:
         return NodeGroups(self.node, self.cross, self.G, self.N, self.n, self.g)
 
-    def __init__(self, ctx: StrategyContext, group_size: int) -> None:
+    def __init__(self, ctx: StrategyContext, group_size: int, cross_node_bits: int = 16) -> None:
         self.ctx = ctx
         G, W, rank = group_size, ctx.world, ctx.rank
         self.G, self.N = G, W // G
         self.n, self.g = divmod(rank, G)
         #: every exchange adds in float32 and rounds once with SR (SumExchange), or reduce-scatters
         self.unbiased = ctx.rounding == "sr"
+        #: the pieces cross the nodes in int8 (Int8Hop) instead of bf16
+        self.bits = cross_node_bits
         # collectives over every rank, in the same order on each; one node (G = W) or one rank
         # per node (G = 1) is the manager's communicator itself
         self.split: list[Any] = []
@@ -156,6 +164,8 @@ class Hierarchical(Strategy):
         self.stage_own = [[shard_view(st, self.n, N) for st in stage] for stage in self.stage]  # piece n of each
         self.final = [ctx.container([p[self.n] for p in pieces]) for pieces in self.pieces]
         self.node_sums, self.cross_sums = (self.sum_exchanges() if self.unbiased else ([], []))
+        self.hop = Int8Hop(ctx, self.cross, self.pieces, self.n, self.g, G, 1.0 / (ctx.world if self.unbiased else N)) \
+            if self.bits == 8 and N > 1 else None
 
     def sum_exchanges(self) -> tuple[list[SumExchange], list[SumExchange]]:
         """Per layer, the unbiased exchanges (phase 1): within the node, the peers' chunks ``k*G +
@@ -241,6 +251,9 @@ class Hierarchical(Strategy):
     def cross_nodes(self, layer: int) -> None:
         """Piece ``n`` of the accumulator := the mean over the nodes of piece ``n``."""
         ctx, b = self.ctx, layer % 2
+        if self.hop is not None:
+            self.hop.run(layer)
+            return
         if not ctx.offload and not self.unbiased:
             ctx.reduce_scatter_all(self.acc[layer], comm=self.cross)
             return
@@ -262,7 +275,8 @@ class Hierarchical(Strategy):
         return [t for c in self.final for t in c.tensors()]
 
     def owned(self) -> list[Tensor]:
-        return self.full_buffers.owned() + [t for ts in self.acc for t in ts]
+        return self.full_buffers.owned() + [t for ts in self.acc for t in ts] + \
+            (self.hop.owned() if self.hop is not None else [])
 
     def close(self) -> None:
         for comm in self.split:
