@@ -1,6 +1,7 @@
-"""What an 8-bit cross-node hop would cost and save in ``hierarchical`` (issue 40's study, numpy on the
-CPU; not in lowgrad): its bias and error on real gradients against today's bf16 hop, and its
-modelled time.
+"""What an 8-bit cross-node hop costs and saves in ``hierarchical``: its bias and error on real
+gradients against the bf16 hop, and its modelled time. Issue 40's study emulates several schemes in
+numpy on the CPU; ``--lowgrad`` also measures the one lowgrad built (``cross_node_bits=8``: int8, SR,
+a scale per 128 elements) through its hierarchical manager on the host backend.
 
 The hop: at the last micro-step each node's accumulated sums (bf16) cross the nodes and are summed
 in float32 on the receiver, rounded once with SR (``rounding="sr"``). Emulated here with ``N``
@@ -130,9 +131,46 @@ def measure(grads: np.ndarray, nodes: int, per_node: int, micro: int, block: int
     return out
 
 
-def modelled(nodes: int, per_node: int, micro: int, block: int, node_gbps: float, model: str) -> dict[str, Any]:
+def measure_lowgrad(grads: np.ndarray, nodes: int, per_node: int, micro: int,
+                    seeds: int) -> dict[str, dict[str, float]]:
+    """The same measurement through lowgrad itself: ``hierarchical`` (``rounding="sr"``) on the host
+    backend, one block tensor of the sampled elements, rank r's micro-step m writing micro-batch
+    ``r*micro + m`` (its bf16 value), with the hop in bf16 (``cross_node_bits=16``) and in int8
+    (``cross_node_bits=8``, the built kernels' definition); each seed a manager seed."""
+    import lowgrad as lg
+    W, n = nodes * per_node, grads.shape[1]
+    g16 = grads[:W * micro].astype(lg.bf16.np).astype(np.float32)
+    exact = g16.astype(np.float64).sum(axis=0) / W
+    layout = lg.Layout(block=[lg.ParamSpec("g", (n,))], non_block=[], num_layers=1)
+    out = {}
+    for bits in (16, 8):
+        got = []
+        for seed in range(seeds):
+            def job(c: Any, seed: int = seed, bits: int = bits) -> np.ndarray:
+                dev, stream = c.device, c.device.stream()
+                src = dev.alloc((n,), lg.fp32, kind="pinned", name="engine_scratch")
+                with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=per_node, seed=seed,
+                                                rounding="sr", cross_node_bits=bits) as gm:
+                    for m in range(micro):
+                        gm.start_micro_step(stream, m, micro)
+                        dw, _ = gm.block_full(0, stream)
+                        src.numpy()[:] = g16[c.rank * micro + m]
+                        lg.ops.add_sr(dw["g"], src, src, 0.5, seed=1, stream=stream)  # exact: bf16 values
+                        gm.notify_block(0, stream)
+                        gm.end_micro_step(stream)
+                    shard = gm.block_shard(0, stream)["g"]
+                    stream.synchronize()
+                    return shard.numpy().astype(np.float64).copy()
+            got.append(np.concatenate(lg.run_threads(W, job)))
+        out[f"lowgrad {'int8 (cross_node_bits=8)' if bits == 8 else 'bf16'}"] = bias_stats(
+            np.concatenate(got), np.tile(exact, seeds))
+    return out
+
+
+def modelled(nodes: int, per_node: int, micro: int, node_gbps: float, model: str) -> dict[str, Any]:
     """hierarchical's last micro-step per layer and exposed time per step (tools/predict_scaling.py)
-    with the cross-node hop in bf16 and in 8 bits (1 byte an element and a float32 scale a block)."""
+    with the cross-node hop in bf16 and in 8 bits (``cross_node_bits=8``: a byte an element and a
+    float32 scale per 128)."""
     import predict_scaling as ps
 
     import lowgrad as lg
@@ -140,15 +178,11 @@ def modelled(nodes: int, per_node: int, micro: int, block: int, node_gbps: float
                        "--micro-steps", str(micro), "--rounding", "sr"])
     m = ps.load_measured(a.bench_kernels, a.bench_manager, a.bench_layer)
     cfg, layout = ps.config_of(a), lg.llama_layout(model)
-    base = next(r for r in ps.multi_node(model, layout, nodes, m, cfg) if r["strategy"] == "hierarchical")
-    cross = next(h for h in ps.hops(layout, "hierarchical", nodes * per_node, per_node, cfg) if h.when == "last")
-    narrow = replace(cross, nbytes=cross.nbytes * (1 + 4 / block) / 2)
-    b, L = base["backward_ms"], layout.num_layers
-    last8 = base["last_ms"] - cross.ms(cfg) + narrow.ms(cfg)
-    exposed = (ps.timeline_ms(L, b, base["last_ms"], 2) - ps.timeline_ms(L, b, last8, 2))
-    return {"model": model, "node_gbps": node_gbps, "backward_ms": b, "last_ms_bf16": base["last_ms"],
-            "last_ms_8bit": last8, "step_exposed_ms_bf16": base["step_exposed_ms"],
-            "step_exposed_ms_8bit": base["step_exposed_ms"] - exposed}
+    base, eight = (next(r for r in ps.multi_node(model, layout, nodes, m, replace(cfg, cross_node_bits=bits))
+                        if r["strategy"] == "hierarchical") for bits in (16, 8))
+    return {"model": model, "node_gbps": node_gbps, "backward_ms": base["backward_ms"],
+            "last_ms_bf16": base["last_ms"], "last_ms_8bit": eight["last_ms"],
+            "step_exposed_ms_bf16": base["step_exposed_ms"], "step_exposed_ms_8bit": eight["step_exposed_ms"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int_at_least(1), default=8)
     p.add_argument("--inter-node-gbps-per-node", type=float, default=25.0)
     p.add_argument("--model", default="Qwen2.5-7B", help="the preset whose step is modelled")
+    p.add_argument("--lowgrad", action="store_true",
+                   help="also through lowgrad's hierarchical manager on the host backend, its hop in bf16 and in "
+                        "int8 (cross_node_bits=8; blocks of 128 whatever --block says)")
     p.add_argument("--json", help=output_help("compressed_hop.json"))
     args = p.parse_args(argv)
     try:
@@ -177,8 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json = output_path("compressed_hop.json", args.json)
     t0 = time.perf_counter()
     stats = measure(grads[:, :n], args.nodes, args.gpus_per_node, args.micro_steps, args.block, args.seeds)
-    times = modelled(args.nodes, args.gpus_per_node, args.micro_steps, args.block, args.inter_node_gbps_per_node,
-                     args.model)
+    if args.lowgrad:
+        stats.update(measure_lowgrad(grads[:, :n], args.nodes, args.gpus_per_node, args.micro_steps, args.seeds))
+    times = modelled(args.nodes, args.gpus_per_node, args.micro_steps, args.inter_node_gbps_per_node, args.model)
     print(f"compressed_hop: {args.nodes} nodes x {args.gpus_per_node} ranks, {args.micro_steps} micro-steps, "
           f"{n} elements x {args.seeds} seeds, blocks of {args.block}; {time.perf_counter() - t0:.0f} s")
     print("| scheme | rel. L2 | bias (SE) | magnitude bias (SE) |\n| --- | ---: | ---: | ---: |")

@@ -35,6 +35,11 @@ At ``notify``, on the communication stream after the engine's work:
      and the other nodes' pieces added into piece ``n`` in float32, scaled by 1/W and rounded once
      with SR (the noise of the element indices shifted by ``N * numel``, no node's).
 
+   With ``cross_node_bits=8`` (opt-in) the pieces cross in 8 bits instead, whatever the rounding
+   (:class:`~lowgrad.managers.exchange.Int8Hop`): int8 with a float32 scale per 128 elements,
+   quantized with SR, summed in float32 on the receiver with piece ``n``, rounded once; 0.52 of
+   the bytes.
+
 Under ``"sr"`` every exchange thus adds in float32 and rounds once with fresh noise: the step's sum
 is unbiased (tools/exchange_bias.py; docs/accuracy.md, "What the exchange adds"). The non-block
 gradients go through the same two levels once per step, and ShardOptimizer's parameter
