@@ -372,7 +372,8 @@ class CudaKernels(Kernels):
 
     def bind_quantize_i8_sr(self, q: Tensor, scales: Tensor, x: Tensor, index_offset: int,
                             seeds: SeedSource) -> Callable[[int], None]:
-        """``f(stream)``: one warp per block of QBLOCK elements (kernels/quant8.cu), packed once."""
+        """``f(stream)``: one warp per block of QBLOCK elements (kernels/quant8.cu), packed once (an
+        empty ``x`` launches one block that finds no work)."""
         spec, n = kernel_for("quantize_i8_sr", x.dtype), x.numel
         k = Kernel(spec, self.kernel(spec).func)
         counter, layer, (s,) = seeds
@@ -380,13 +381,7 @@ class CudaKernels(Kernels):
         k.pack(q.ptr, scales.ptr, x.ptr, n, s, index_offset, counter_ptr, layer, s)
         warps = spec.block // 32
         grid = max(1, min(-(-scales.numel // warps), self.max_grid))
-        allocs = (q.allocation, scales.allocation, x.allocation) + counter_alloc
-
-        def run(stream: int) -> None:
-            _check_open(allocs, q.name)
-            if n:
-                k.launch_packed(grid, stream)
-        return run
+        return _run_packed([(k, grid)], (q.allocation, scales.allocation, x.allocation) + counter_alloc, q.name)
 
     def bind_dequant_reduce_sr(self, dst: Tensor, q: Tensor, scales: Tensor, n_shards: int, skip: int,
                                scale: float, index_offset: int, seeds: SeedSource) -> Callable[[int], None]:
@@ -397,13 +392,7 @@ class CudaKernels(Kernels):
         counter_ptr, counter_alloc = _counter_args(counter)
         k.pack(dst.ptr, q.ptr, scales.ptr, n_shards, skip, scale, s, index_offset, n, counter_ptr, layer, s)
         grid = max(1, min(-(-n // spec.block), self.max_grid))
-        allocs = (dst.allocation, q.allocation, scales.allocation) + counter_alloc
-
-        def run(stream: int) -> None:
-            _check_open(allocs, dst.name)
-            if n:
-                k.launch_packed(grid, stream)
-        return run
+        return _run_packed([(k, grid)], (dst.allocation, q.allocation, scales.allocation) + counter_alloc, dst.name)
 
     def seed_counter(self, counter: Tensor, op: int, base: int, step: int, mode: int, stream: int) -> None:
         self.kernel(self._seed_counter).launch(1, stream, counter.ptr, op, base, step, mode)
