@@ -40,8 +40,9 @@ def create_gradient_manager(layout: Layout, comm: Any, strategy: str = "unsharde
     rank's own gradient before the exchange at world > 1; read them with ``gm.stats()`` /
     ``gm.step_stats()`` (docs/diagnostics.md).
 
-    ``options``: the strategy's own (``STRATEGIES[strategy].option_names()``, e.g. ``group_size``;
-    a strategy without options refuses every one with TypeError).
+    ``options``: the strategy's own (``STRATEGIES[strategy].option_names()``, e.g. hierarchical's
+    ``group_size`` and ``cross_node_bits``; a strategy without options refuses every one with
+    TypeError).
     """
     return GradientManager(layout, comm, strategy, offload=offload, dtype=dtype, seed=seed, step=step,
                            rounding=rounding, inline=inline, stats=stats, **options)
