@@ -5,6 +5,7 @@ happens; an abort reaches the split communicators. tests/test_loopback_split_gpu
 same jobs on a GPU."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from test_host_communicator_split import split_cycles
 from test_managers import bf16_grad, drive
 
 import lowgrad as lg
+from lowgrad.buffers import release
 from lowgrad.cuda import loopback
 
 SHAPES = [(4, 2), (8, 4), (8, 2)]
@@ -150,11 +152,14 @@ def test_without_the_gate_the_stand_in_hangs_as_the_gpu_did() -> None:
     device without the gate stops with the stand-in's hang report (or a peer's timeout)."""
     with pytest.raises((AssertionError, lg.CommTimeoutError, lg.CommAbortedError)):
         run(4, busy_neighbours(200), timeout=5, device=UngatedSimDevice())
+    gc.collect()  # the ungated device's frees now, while no collective runs: drained in a later test they
+    release.drain()  # would wait, ungated, for that test's syncs
 
 
 def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 1's copy fails after its peers met it (its window open): every rank's window closes,
-    so the device-wide calls after it (the test's own copies) do not wait forever."""
+    """Rank 1's copy fails after its peers met it (its window open): it stops the group (rank 0's
+    device-side wait for it ends at once) and every rank's window closes, so the device-wide calls
+    after it (the test's own copies) do not wait."""
     real = loopback.Kernel.launch
 
     def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
@@ -167,10 +172,38 @@ def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.Mo
     def job(c: Any) -> None:
         t = c.device.alloc((4,), lg.fp32, name="t")
         c.all_reduce(t)
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="boom in rank 1's copy"):
         run(2, job, timeout=10, device=dev)
+    assert time.monotonic() - t0 < 5  # the failing rank stopped the group: rank 0 did not wait out its timeout
     assert dev.sync_gate.windows == 0
     dev.synchronize()
+
+
+def test_a_rank_that_fails_queuing_and_goes_on_stops_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's copy fails part-way; rank 1 catches it and goes on to a device-wide call (a
+    synchronize). It stopped the group before closing its window: rank 0's collective raises
+    CommAbortedError at once, and rank 1's synchronize does not wait on rank 0's kernels."""
+    real = loopback.Kernel.launch
+
+    def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
+        if self.spec.symbol == "loopback_copy" and threading.current_thread().name == "lowgrad-rank1":
+            raise RuntimeError("boom in rank 1's copy")
+        real(self, grid, stream, *args)
+    monkeypatch.setattr(loopback.Kernel, "launch", launch)
+
+    def job(c: Any) -> str:
+        t = c.device.alloc((4,), lg.fp32, name="t")
+        try:
+            c.all_reduce(t)
+            c.wait()
+        except (RuntimeError, lg.CommAbortedError) as exc:
+            c.device.synchronize()
+            return type(exc).__name__
+        return "finished"
+    t0 = time.monotonic()
+    assert run(2, job, timeout=20) == ["CommAbortedError", "RuntimeError"]
+    assert time.monotonic() - t0 < 5
 
 
 def test_a_split_queues_on_its_parent_ranks_loopback_stream() -> None:

@@ -273,8 +273,18 @@ class LoopbackCommunicator(GpuCommBase):
             for _, _, work in items:
                 work(self._stream_h)
             self._finish(streams)
+        except BaseException:
+            self._failed_queuing()
+            raise
         finally:
             self.shared.gate.close()
+
+    def _failed_queuing(self) -> None:
+        """This rank failed part-way through queuing a collective its peers met it for: their
+        device-side waits for it could never end, so the group stops (before the window closes, so
+        that no device-wide call waits on those kernels until the timeout)."""
+        self._state = "aborted"
+        self.shared.abort(f"rank {self.rank} failed while queuing a collective")
 
     def _ready_on(self, handles: list[int]) -> list[int]:
         """Phase 1: record a ready event on each distinct caller stream; returns those streams."""
@@ -366,12 +376,15 @@ class LoopbackCommunicator(GpuCommBase):
         waits for it."""
         try:
             self._finish(self._replay_caller)
+        except BaseException:
+            self._failed_queuing()
+            raise
         finally:
             self.shared.gate.close()
 
     def replay_failed(self, stream: int) -> None:
-        """The launch failed after :meth:`replay_before`: the window closes (the peers' meeting
-        after it times out or sees the abort that follows)."""
+        """The launch failed after :meth:`replay_before`: the group stops, then the window closes."""
+        self._failed_queuing()
         self.shared.gate.close()
 
     def _sync(self, h: int, ptrs: Sequence[int] = (), entries: Sequence[int] | None = None,
@@ -517,6 +530,9 @@ class LoopbackCommunicator(GpuCommBase):
                     self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
                 self._sync(h, peers=1 << peer)
                 self.shared.match(r, {peer: None}, self.timeout, tag="pair queued")
+            except BaseException:
+                self._failed_queuing()
+                raise
             finally:
                 self.shared.gate.close()
         self._finish(streams, dict.fromkeys(by_peer))
