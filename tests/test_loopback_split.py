@@ -139,6 +139,7 @@ def busy_neighbours(iterations: int) -> Any:
         c.device.copy_to_host(host, t)
         sub.close()
         return float(host[0])
+    job.done = done  # type: ignore[attr-defined]  # set it to end ranks 2 and 3 when ranks 0 and 1 failed
     return job
 
 
@@ -150,10 +151,21 @@ def test_device_wide_calls_wait_for_collectives_part_way_queued() -> None:
 def test_without_the_gate_the_stand_in_hangs_as_the_gpu_did() -> None:
     """The stand-in's driver lock is what makes the test above able to fail: the same job on a
     device without the gate stops with the stand-in's hang report (or a peer's timeout)."""
-    with pytest.raises((AssertionError, lg.CommTimeoutError, lg.CommAbortedError)):
-        run(4, busy_neighbours(200), timeout=5, device=UngatedSimDevice())
-    gc.collect()  # the ungated device's frees now, while no collective runs: drained in a later test they
-    release.drain()  # would wait, ungated, for that test's syncs
+    job = busy_neighbours(200)
+    try:
+        with pytest.raises((AssertionError, lg.CommTimeoutError, lg.CommAbortedError)):
+            run(4, job, timeout=5, device=UngatedSimDevice())
+    finally:
+        job.done.set()  # ranks 2 and 3, left looping by run_threads, stop
+    time.sleep(0.5)
+    flush_releases()  # the ungated device's frees now, while no collective runs
+
+
+def flush_releases() -> None:
+    """Free now what earlier tests left to the deferred releases: drained during a timed test, a
+    free waits (as cuMemFree does) for that test's device work, the waits it measures included."""
+    gc.collect()
+    release.drain()
 
 
 def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +180,7 @@ def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.Mo
         real(self, grid, stream, *args)
     monkeypatch.setattr(loopback.Kernel, "launch", launch)
     dev = SimDevice()
+    flush_releases()
 
     def job(c: Any) -> None:
         t = c.device.alloc((4,), lg.fp32, name="t")
@@ -201,6 +214,7 @@ def test_a_rank_that_fails_queuing_and_goes_on_stops_its_group(monkeypatch: pyte
             c.device.synchronize()
             return type(exc).__name__
         return "finished"
+    flush_releases()
     t0 = time.monotonic()
     assert run(2, job, timeout=20) == ["CommAbortedError", "RuntimeError"]
     assert time.monotonic() - t0 < 5
