@@ -161,6 +161,17 @@ def test_without_the_gate_the_stand_in_hangs_as_the_gpu_did() -> None:
     flush_releases()  # the ungated device's frees now, while no collective runs
 
 
+def rank1_copy_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's loopback copies raise (after its peers met it: part-way through queuing)."""
+    real = loopback.Kernel.launch
+
+    def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
+        if self.spec.symbol == "loopback_copy" and threading.current_thread().name == "lowgrad-rank1":
+            raise RuntimeError("boom in rank 1's copy")
+        real(self, grid, stream, *args)
+    monkeypatch.setattr(loopback.Kernel, "launch", launch)
+
+
 def flush_releases() -> None:
     """Free now what earlier tests left to the deferred releases: drained during a timed test, a
     free waits (as cuMemFree does) for that test's device work, the waits it measures included."""
@@ -172,13 +183,7 @@ def test_a_collective_failing_part_way_closes_its_windows(monkeypatch: pytest.Mo
     """Rank 1's copy fails after its peers met it (its window open): it stops the group (rank 0's
     device-side wait for it ends at once) and every rank's window closes, so the device-wide calls
     after it (the test's own copies) do not wait."""
-    real = loopback.Kernel.launch
-
-    def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
-        if self.spec.symbol == "loopback_copy" and threading.current_thread().name == "lowgrad-rank1":
-            raise RuntimeError("boom in rank 1's copy")
-        real(self, grid, stream, *args)
-    monkeypatch.setattr(loopback.Kernel, "launch", launch)
+    rank1_copy_fails(monkeypatch)
     dev = SimDevice()
     flush_releases()
 
@@ -197,13 +202,7 @@ def test_a_rank_that_fails_queuing_and_goes_on_stops_its_group(monkeypatch: pyte
     """Rank 1's copy fails part-way; rank 1 catches it and goes on to a device-wide call (a
     synchronize). It stopped the group before closing its window: rank 0's collective raises
     CommAbortedError at once, and rank 1's synchronize does not wait on rank 0's kernels."""
-    real = loopback.Kernel.launch
-
-    def launch(self: Any, grid: int, stream: int, *args: Any) -> None:
-        if self.spec.symbol == "loopback_copy" and threading.current_thread().name == "lowgrad-rank1":
-            raise RuntimeError("boom in rank 1's copy")
-        real(self, grid, stream, *args)
-    monkeypatch.setattr(loopback.Kernel, "launch", launch)
+    rank1_copy_fails(monkeypatch)
 
     def job(c: Any) -> str:
         t = c.device.alloc((4,), lg.fp32, name="t")
