@@ -23,9 +23,9 @@ from lowgrad.sr.checks import (
     SR_DTYPES,
     check_accumulate,
     check_index_offset,
-    check_int,
     check_scale,
     check_seed,
+    check_shards,
     check_u32,
 )
 from lowgrad.sr.reference import QBLOCK, check_reduce_sr_args
@@ -347,9 +347,10 @@ def _check_i8_slots(call: str, dst: Tensor, q: Tensor, scales: Tensor, slots: in
     """The 8-bit hop's tensors: ``q`` (byte) of ``slots`` x ``dst.numel`` elements, ``scales``
     (fp32) of ``slots`` x one per QBLOCK of them, ``dst`` fp32 or bf16, none overlapping, on one
     device in kernel memory; returns the device."""
-    for t, what in ((dst, "x" if call == "quantize_i8_sr" else "dst"), (q, "q"), (scales, "scales")):
+    name = "x" if call == "quantize_i8_sr" else "dst"
+    for t, what in ((dst, name), (q, "q"), (scales, "scales")):
         _tensor(t, what)
-    _dtype_in(dst, "x" if call == "quantize_i8_sr" else "dst", SR_DTYPES)
+    _dtype_in(dst, name, SR_DTYPES)
     _dtype_in(q, "q", (byte,))
     _dtype_in(scales, "scales", (fp32,))
     n, blocks = dst.numel, -(-dst.numel // QBLOCK)
@@ -379,12 +380,7 @@ def bind_dequant_reduce_sr(dst: Tensor, q: Tensor, scales: Tensor, n_shards: int
     """:func:`lowgrad.sr.reference.dequant_reduce_sr` into ``dst`` (its value added first) from
     ``n_shards`` slots of ``q`` and ``scales`` (:func:`bind_quantize_i8_sr`'s), checked and packed
     once, ``skip`` a slot or -1."""
-    n_shards = check_int(n_shards, "n_shards")
-    if not 1 <= n_shards < 1 << 32:
-        raise ValueError(f"n_shards must be in [1, 2**32), got {n_shards}")
-    skip = check_int(skip, "skip")
-    if not -1 <= skip < n_shards:
-        raise ValueError(f"skip {skip} outside [-1, {n_shards})")
+    n_shards, skip = check_shards(n_shards, skip)
     dev = _check_i8_slots("dequant_reduce_sr", dst, q, scales, n_shards)
     scale, index_offset = check_scale(scale), check_index_offset(index_offset, dst.numel)
     return dev.kernels.bind_dequant_reduce_sr(dst, q, scales, n_shards, skip, scale, index_offset,

@@ -60,8 +60,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, closing
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, closing, contextmanager
 from typing import Any
 
 import numpy as np
@@ -267,12 +267,19 @@ class LoopbackCommunicator(GpuCommBase):
     def _collectives(self, items: list[_Item]) -> None:
         streams = self._ready_on([h for _, h, _ in items])
         self.shared.agree(self.rank, tuple(sig for sig, _, _ in items), self.timeout)
-        self.shared.gate.open()
-        try:
+        with self._window():
             self._start(streams)
             for _, _, work in items:
                 work(self._stream_h)
             self._finish(streams)
+
+    @contextmanager
+    def _window(self) -> Iterator[None]:
+        """This rank's window of the device gate around queuing its part of what its peers met it
+        for; a failure inside stops the group first (:meth:`_failed_queuing`)."""
+        self.shared.gate.open()
+        try:
+            yield
         except BaseException:
             self._failed_queuing()
             raise
@@ -522,19 +529,13 @@ class LoopbackCommunicator(GpuCommBase):
         for peer in sorted(by_peer, key=lambda q: (min(q, r), max(q, r))):
             sends, recvs = by_peer[peer]
             self.shared.match(r, {peer: None}, self.timeout, tag="pair")
-            self.shared.gate.open()  # per pair: a rank's window waits only for a peer in its own
-            try:
+            with self._window():  # per pair: a rank's window waits only for a peer in its own
                 self._sync(h, [t.ptr for t in sends], [base + (r * W + peer) * PTRS + i for i in range(len(sends))],
                            1 << peer)
                 for i, t in enumerate(recvs):
                     self._copy(h, t.ptr, base + (peer * W + r) * PTRS + i, 0, t.nbytes)
                 self._sync(h, peers=1 << peer)
                 self.shared.match(r, {peer: None}, self.timeout, tag="pair queued")
-            except BaseException:
-                self._failed_queuing()
-                raise
-            finally:
-                self.shared.gate.close()
         self._finish(streams, dict.fromkeys(by_peer))
 
     def all_to_all_many(self, tensors: Sequence[Tensor], stream: StreamLike = None) -> None:

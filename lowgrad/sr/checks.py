@@ -72,3 +72,14 @@ def check_u32(value: Any, what: str) -> int:
     if not 0 <= v < U32:
         raise ValueError(f"{what} must be an int in [0, 2**32), got {value!r}")
     return v
+
+
+def check_shards(n_shards: Any, skip: Any) -> tuple[int, int]:
+    """``n_shards`` in [1, 2**32) and ``skip`` a shard index or -1 (reduce_sr, dequant_reduce_sr)."""
+    shards = check_int(n_shards, "n_shards")
+    if not 1 <= shards < U32:
+        raise ValueError(f"n_shards must be in [1, 2**32), got {shards}")
+    sk = check_int(skip, "skip")
+    if not -1 <= sk < shards:
+        raise ValueError(f"skip {sk} outside [-1, {shards})")
+    return shards, sk

@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 
 from lowgrad.base.dtypes import bf16, fp32
-from lowgrad.base.limits import U32
 from lowgrad.contracts.kernel_source import constants
 from lowgrad.sr.checks import (
     check_accumulate,
     check_index_offset,
-    check_int,
     check_scale,
     check_seed,
+    check_shards,
     check_sr_dtype,
 )
 from lowgrad.sr.philox import sr_noise
@@ -97,12 +96,7 @@ def check_reduce_sr_args(n_dst: int, n_src: int, dst_dtype: Any, src_dtype: Any,
     rule for tensors); returns ``(n_shards, skip, scale, accumulate, seed, index_offset)``."""
     check_sr_dtype(dst_dtype, "dst")
     check_sr_dtype(src_dtype, "src")
-    shards = check_int(n_shards, "n_shards")
-    if not 1 <= shards < U32:
-        raise ValueError(f"n_shards must be in [1, 2**32), got {shards}")
-    sk = check_int(skip, "skip")
-    if not -1 <= sk < shards:
-        raise ValueError(f"skip {sk} outside [-1, {shards})")
+    shards, sk = check_shards(n_shards, skip)
     if n_src != shards * n_dst:
         raise ValueError(f"reduce_sr: src has {n_src} elements, not n_shards ({shards}) x dst ({n_dst})")
     return (shards, sk, check_scale(scale), check_accumulate(accumulate), check_seed(seed),
