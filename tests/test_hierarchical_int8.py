@@ -123,3 +123,26 @@ def test_the_int8_hop_adds_no_bias() -> None:
     assert abs(means.mean() - exact) < 4 * se + 1e-9, (means.mean(), exact, se)
     nearest = run(2, 1, "rn", micro=1, layout=layout, gfun=grads)[0]["0.w"][1:64].mean()
     assert abs(nearest - exact) > 100 * se  # 38.45 steps round to 38 on the other node: a bf16 step low
+
+
+def test_a_nan_crosses_the_hop_as_nan_and_the_next_step_is_clean() -> None:
+    """A NaN in one rank's gradient at step 0 makes its block's scale NaN: the receiving rank's
+    shard holds NaN (the step is seen as non-finite, not silently cleaned), and step 1 on the same
+    managers is finite again."""
+    layout = small_layout()
+
+    def gfun(rank: int, m: int, layer: int, i: int, shape: tuple[int, ...], step: int) -> np.ndarray:
+        g = bf16_grad(rank, m, layer, i, shape, step)
+        if step == 0 and rank == 1 and layer == 0 and i == 0:
+            g.reshape(-1)[-1] = np.nan  # in rank 3's chunk: it reaches node 1 only through the hop
+        return g
+
+    def job(c: Any) -> tuple[bool, bool]:
+        with lg.create_gradient_manager(layout, c, strategy="hierarchical", group_size=2, seed=3, rounding="sr",
+                                        cross_node_bits=8) as gm:
+            first = drive(c, layout, "hierarchical", False, 2, gm=gm, gfun=gfun)
+            second = drive(c, layout, "hierarchical", False, 2, gm=gm, gfun=gfun, first_step=1)
+            return (bool(np.isnan(first["0.w1"]).any()),
+                    all(np.isfinite(v).all() for k, v in second.items() if not k.startswith("nb.")))
+    out = lg.run_threads(4, job)
+    assert [nan for nan, _ in out] == [False, False, False, True] and all(clean for _, clean in out)
